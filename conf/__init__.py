@@ -1,0 +1,1 @@
+# Makes conf/ importable as hyperpar.conf so Hydra finds it with pkg://hyperpar.conf.

@@ -1,0 +1,100 @@
+"""ModelSpec: what the framework needs to know about a model family, and the registry of them.
+
+A model family registers one spec from its package ``__init__``. The worker builds the model on
+the meta device from ``args``, lets ``parallelize`` cut it, then materialises parameters with
+``Model.init_param`` (a pure function of seed and parameter name, so any layout gets the same
+initial weights) or loads them through ``adapter``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
+
+import torch
+from torch import nn
+
+from hyperpar.errors import ConfigError
+
+
+class StateDictAdapter(Protocol):
+    """Maps one of our parameters to and from a Hugging Face checkpoint, one tensor at a time.
+
+    Working per parameter lets every rank read only what it needs and never hold the full model.
+    """
+
+    def load_param(self, name: str, read: Callable[[str], torch.Tensor]) -> torch.Tensor:
+        """Full tensor for our parameter ``name``; ``read(hf_key)`` returns one checkpoint tensor."""
+        ...
+
+    def export_param(self, name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+        """HF keys and tensors for our full parameter (empty for a tied ``lm_head.weight``)."""
+        ...
+
+    def hf_config(self) -> dict[str, Any]:
+        """The config.json that transformers loads for this geometry."""
+        ...
+
+
+@dataclass
+class ModelSpec:
+    name: str
+    args_cls: type  # dataclass; ``from_hf_config(dict)`` and ``to_hf_config()``
+    flavors: dict[str, Any]  # flavour name -> args instance
+    model_cls: Callable[[Any], nn.Module]  # model_cls(args) -> module (build under torch.device("meta"))
+    parallelize: Callable[..., nn.Module]  # parallelize(model, parallel_dims, job_cfg) -> model
+    adapter: Callable[[Any], StateDictAdapter]  # adapter(args) -> StateDictAdapter
+    hf_model_types: tuple[str, ...] = ()  # config.json "model_type" values this family loads
+    default_data: str = "dummy"  # data config a bare `model=<name>` trains on
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def args_for(self, flavor: str) -> Any:
+        if flavor not in self.flavors:
+            known = ", ".join(sorted(self.flavors))
+            raise ConfigError(
+                f"unknown flavour '{flavor}' for model '{self.name}'",
+                hint=f"known flavours: {known}",
+            )
+        return self.flavors[flavor]
+
+
+_REGISTRY: dict[str, ModelSpec] = {}
+
+
+def register_model(spec: ModelSpec) -> ModelSpec:
+    if spec.name in _REGISTRY:
+        raise ValueError(f"model '{spec.name}' registered twice")
+    _REGISTRY[spec.name] = spec
+    return spec
+
+
+def _load_builtin() -> None:
+    # Importing the family packages registers their specs.
+    import hyperpar.models.qwen3_5  # noqa: F401
+    for optional in ("qwen3_5_moe", "qwen3_vl_moe"):
+        try:
+            __import__(f"hyperpar.models.{optional}")
+        except ModuleNotFoundError as e:  # family not written yet
+            if e.name != f"hyperpar.models.{optional}":
+                raise
+
+
+def get_model_spec(name: str) -> ModelSpec:
+    _load_builtin()
+    if name not in _REGISTRY:
+        raise ConfigError(f"unknown model '{name}'", hint=f"known models: {', '.join(sorted(_REGISTRY))}")
+    return _REGISTRY[name]
+
+
+def spec_for_hf_model_type(model_type: str) -> ModelSpec:
+    _load_builtin()
+    for spec in _REGISTRY.values():
+        if model_type in spec.hf_model_types:
+            return spec
+    known = sorted(t for s in _REGISTRY.values() for t in s.hf_model_types)
+    raise ConfigError(f"config.json model_type '{model_type}' is not supported", hint=f"supported: {', '.join(known)}")
+
+
+def registered_models() -> dict[str, ModelSpec]:
+    _load_builtin()
+    return dict(_REGISTRY)
