@@ -1,0 +1,193 @@
+"""Hydra main: compose -> validate -> plan -> launch.
+
+torch is imported lazily (inside the task) so ``--help`` and tab completion stay fast.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf
+
+from hyperpar.config import register_configs, validate_schema
+from hyperpar.errors import ConfigError, HyperparError
+
+CONFIG_PATH = "pkg://hyperpar.conf"
+
+
+def _run_name() -> str:
+    """One run dir for every rank: torchrun's run id, or rank 0's timestamp shared through the store."""
+    stamp = time.strftime("%Y-%m-%d/%H-%M-%S")
+    if "TORCHELASTIC_RUN_ID" not in os.environ or os.environ.get("HYPERPAR_WORKER") == "1":
+        return stamp
+    rid = os.environ["TORCHELASTIC_RUN_ID"]
+    if rid != "none":
+        return f"torchrun-{rid}"
+    import torch.distributed as dist
+
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
+    key = f"hyperpar/run_name/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    if int(os.environ.get("RANK", 0)) == 0:
+        store.set(key, stamp)
+        return stamp
+    return store.get(key).decode()
+
+
+def _register() -> None:
+    if not OmegaConf.has_resolver("hp_run_name"):
+        OmegaConf.register_new_resolver("hp_run_name", _run_name, use_cache=True)
+    register_configs()
+
+
+_register()
+
+
+def _error(e: HyperparError) -> None:
+    print(e.one_line(), file=sys.stderr)
+    sys.exit(2)
+
+
+def _job_label(overrides: list[str]) -> str:
+    shown = [o for o in overrides if not o.startswith(("hydra.", "+experiment"))]
+    return ",".join(shown) or "defaults"
+
+
+@hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name="config")
+def main(cfg: DictConfig) -> float | None:
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    return record(_task)(cfg)
+
+
+def _task(cfg: DictConfig) -> float | None:
+    from hyperpar.launch import run_job, under_torchrun, write_result
+    from hyperpar.plan import make_plan
+
+    hc = HydraConfig.get()
+    run_dir = hc.runtime.output_dir
+    overrides = list(hc.overrides.task)
+    multirun = hc.mode == RunMode.MULTIRUN
+    rank0 = int(os.environ.get("RANK", 0)) == 0 or not under_torchrun()
+    try:
+        cfg = validate_schema(cfg)
+        with_dir = OmegaConf.merge(cfg, {"run_dir": run_dir})
+        plan = make_plan(with_dir, strict=not cfg.dry_run)
+        if cfg.dry_run:
+            if rank0:
+                print(plan.render())
+            if not plan.ok:
+                sys.exit(2)
+            return None
+        result = run_job(with_dir, run_dir)
+    except HyperparError as e:
+        if multirun and rank0:
+            write_result(run_dir, cfg, status="failed", error=e.one_line(), job_name=_job_label(overrides), overrides=overrides)
+        if multirun and cfg.parity.enabled:
+            # Keep the sweep going so the parity report runs and states which job failed.
+            print(e.one_line(), file=sys.stderr)
+            return None
+        _error(e)
+    except Exception as e:
+        if multirun and rank0:
+            write_result(run_dir, cfg, status="failed", error=f"{type(e).__name__}: {e}".splitlines()[0],
+                         job_name=_job_label(overrides), overrides=overrides)
+        if multirun and cfg.parity.enabled:
+            import traceback
+
+            traceback.print_exc()
+            return None
+        raise
+    if rank0:
+        write_result(run_dir, cfg, status="completed", error=None, job_name=_job_label(overrides), overrides=overrides)
+        losses = result.get("losses") or []
+        if losses:
+            print(f"[hyperpar] done: {len(losses)} steps, final loss {losses[-1]:.6f}; outputs in {run_dir}", file=sys.stderr)
+    return result.get("final_loss")
+
+
+# ---- pre-flight: make compose errors one line ---------------------------------------------------
+def _split_argv(argv: list[str]) -> tuple[list[str], bool]:
+    """(overrides, is_special): special = --cfg/--info/--help etc., where Hydra handles everything."""
+    from hydra._internal.utils import get_args_parser
+
+    args, _ = get_args_parser().parse_known_args(argv)
+    special = any(getattr(args, k, None) for k in ("help", "hydra_help", "cfg", "info", "shell_completion", "version", "experimental_rerun"))
+    return list(args.overrides), special
+
+
+def _first_of_sweeps(overrides: list[str]) -> list[str]:
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parsed = OverridesParser.create().parse_overrides(overrides)
+    out = []
+    for o in parsed:
+        if o.is_sweep_override():
+            first = next(iter(o.sweep_string_iterator()), None)
+            if first is None:
+                continue
+            out.append(f"{o.get_key_element()}={first}")
+        else:
+            out.append(o.input_line)
+    return out
+
+
+def preflight(argv: list[str]) -> None:
+    """Compose once with Hydra's API so a typo, a wrong type or an unknown option is one line, exit 2."""
+    from hydra import compose, initialize_config_module
+    from hydra.core.global_hydra import GlobalHydra
+
+    overrides, special = _split_argv(argv)
+    if special:
+        return
+    try:
+        try:
+            first = _first_of_sweeps(overrides)
+        except Exception as e:  # noqa: BLE001 - Hydra's grammar errors
+            raise ConfigError(" ".join(str(e).split()), hint="overrides look like group=option or key=value") from None
+        GlobalHydra.instance().clear()
+        try:
+            with initialize_config_module(config_module="hyperpar.conf", version_base="1.3"):
+                cfg = compose(config_name="config", overrides=[o for o in first if not o.startswith(("hydra.", "hydra/"))])
+        except Exception as e:  # noqa: BLE001 - every compose failure is a config mistake of the user
+            raise ConfigError(_compose_message(e)) from None
+        finally:
+            GlobalHydra.instance().clear()
+        validate_schema(cfg)
+    except HyperparError as e:
+        _error(e)
+
+
+def _compose_message(e: Exception) -> str:
+    def clean(text: str) -> list[str]:
+        return [ln.strip() for ln in text.splitlines()
+                if ln.strip() and not ln.strip().startswith(("full_key", "reference_type", "object_type", "To append"))]
+
+    text = str(e)
+    lines = clean(text)
+    if "Could not find" in text and "Available options" in text:
+        idx = next(i for i, ln in enumerate(lines) if ln.startswith("Available options"))
+        options = []
+        for ln in lines[idx + 1:]:
+            if ln.startswith("Config search path"):
+                break
+            options.append(ln)
+        return f"{lines[0]} (available: {', '.join(options)})"
+    if e.__cause__ is not None:
+        lines += clean(str(e.__cause__))
+    return " ".join(lines)
+
+
+def cli() -> None:
+    """Console-script and ``python -m hyperpar`` entry."""
+    from hyperpar.launch import under_torchrun
+
+    preflight(sys.argv[1:])
+    if under_torchrun() and int(os.environ.get("RANK", 0)) != 0:
+        # Only rank 0 writes shared outputs (.hydra/, the Hydra log); others log to logs/rank_<r>.log.
+        sys.argv += ["hydra.output_subdir=null", "hydra/job_logging=disabled", "hydra/hydra_logging=disabled"]
+    main()

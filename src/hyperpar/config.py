@@ -1,0 +1,213 @@
+"""Structured schemas for every config group, registered in Hydra's ConfigStore.
+
+The schemas make Hydra reject a typo (``parallel.tpp=2``), a wrong type (``train.steps=abc``) or an
+unknown group option at compose time. ``+key=value`` bypasses struct mode, so the driver re-merges
+the composed config into :class:`JobConfig` (:func:`validate_schema`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+from hyperpar.errors import ConfigError
+
+
+@dataclass
+class MixedPrecisionConfig:
+    param_dtype: str = "float32"  # float32 | bfloat16 | float16
+    reduce_dtype: str = "float32"
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 20
+    seed: int = 1234
+    global_batch_size: int = 8
+    micro_batch_size: int = 4
+    seq_len: int = 128
+    max_grad_norm: float = 1.0  # <= 0 disables clipping
+    mixed_precision: MixedPrecisionConfig = field(default_factory=MixedPrecisionConfig)
+    activation_checkpoint: str = "none"  # none | full | selective
+    log_every: int = 1
+    deterministic: bool = True
+
+
+@dataclass
+class ParallelConfig:
+    _target_: str = "hyperpar.distributed.parallel_dims.ParallelDims"
+    name: str = "single"
+    world_size: int = 1
+    dp_replicate: int = 1
+    dp_shard: int = -1  # -1: whatever is left of world_size
+    tp: int = 1
+    cp: int = 1
+    ep: int = 1
+    pp: int = 1
+    vpp: int = 1
+    pp_schedule: str = "1F1B"  # GPipe | 1F1B | Interleaved1F1B
+
+
+@dataclass
+class ModelConfig:
+    _target_: str = "hyperpar.models.build.ModelBuilder"
+    name: str = "qwen3_5"
+    flavor: str = "debug"
+    hf_path: Optional[str] = None  # HF directory (config.json + safetensors): geometry and weights
+    load_weights: bool = True  # with hf_path: load its weights (false: geometry only, fresh init)
+    mtp_loss_weight: float = 0.0
+    default_data: str = "dummy"
+
+
+@dataclass
+class DataConfig:
+    _target_: str = "hyperpar.data.registry.build_dataset"
+    type: str = "dummy"
+    # Fields used by some types only; unused ones are ignored by the type's builder.
+    path: Optional[str] = None
+    tokenizer: Optional[str] = None
+    prefix: Optional[str] = None
+    blend: Optional[Any] = None
+    text_key: str = "text"
+    pack: bool = True
+    cache_dir: Optional[str] = None
+    num_workers: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+@dataclass
+class OptimConfig:
+    _target_: str = "hyperpar.train.optim.build_optimizer"
+    name: str = "adamw"
+    lr: float = 3e-3
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    schedule: str = "cosine"  # cosine | constant | linear
+    warmup_steps: int = 2
+    min_lr_ratio: float = 0.1
+
+
+@dataclass
+class CheckpointConfig:
+    _target_: str = "hyperpar.checkpoint.manager.build_checkpointer"
+    enabled: bool = False
+    save_steps: int = 0
+    keep_last: int = 2
+    load_path: Optional[str] = None
+    resume: str = "never"  # auto | never
+    async_save: bool = False
+    export_hf_at_end: bool = False
+
+
+@dataclass
+class MetricsConfig:
+    tensorboard: bool = False
+    progress_bar: bool = True
+
+
+@dataclass
+class LaunchConfig:
+    max_restarts: int = 0
+    monitor_interval: float = 0.2
+    threads_per_rank: int = 0  # 0: cores / local ranks
+
+
+@dataclass
+class ParityConfig:
+    enabled: bool = False
+    tolerance_mean: float = 5e-3
+    tolerance_step: Optional[float] = None  # None: 1e-5 in fp32, skipped in bf16
+    baseline: Optional[str] = None
+
+
+@dataclass
+class JobConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
+    parity: ParityConfig = field(default_factory=ParityConfig)
+    trainer: dict = field(default_factory=lambda: {"_target_": "hyperpar.train.trainer.Trainer"})
+    device: str = "auto"  # auto | cpu | cuda | npu
+    dry_run: bool = False
+    run_dir: Optional[str] = None  # filled by the driver
+
+
+_GROUP_SCHEMAS = {
+    "model": ModelConfig,
+    "parallel": ParallelConfig,
+    "data": DataConfig,
+    "optim": OptimConfig,
+    "checkpoint": CheckpointConfig,
+}
+
+
+def register_configs() -> None:
+    """Store schemas under schema/<group>/base so YAML files extend them without listing them as options."""
+    from hydra.core.config_store import ConfigStore
+
+    cs = ConfigStore.instance()
+    cs.store(name="hyperpar_schema", node=JobConfig)
+    for group, node in _GROUP_SCHEMAS.items():
+        cs.store(group=f"schema/{group}", name="base", node=node)
+
+
+def validate_schema(cfg: DictConfig) -> DictConfig:
+    """Re-merge into the schema: catches keys force-added with ``+`` that struct mode let through."""
+    container = OmegaConf.to_container(cfg, resolve=False)
+    if isinstance(container, dict):
+        container.pop("hydra", None)
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(JobConfig), container)
+    except Exception as e:  # omegaconf raises several types; all mean "this key/value is not in the schema"
+        msg = str(e).splitlines()[0]
+        key = getattr(e, "full_key", None)
+        raise ConfigError(f"{msg}" + (f" (key: {key})" if key else ""), hint="check the key name and type against `python -m hyperpar --cfg job`") from None
+    return merged
+
+
+def to_yaml(cfg: DictConfig) -> str:
+    return OmegaConf.to_yaml(cfg, resolve=True)
+
+
+def dtype_of(name: str):
+    import torch
+
+    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+             "float16": torch.float16, "fp16": torch.float16}
+    if name not in table:
+        raise ConfigError(f"unknown dtype '{name}'", hint="use float32, bfloat16 or float16")
+    return table[name]
+
+
+__all__ = [
+    "JobConfig", "TrainConfig", "ParallelConfig", "ModelConfig", "DataConfig", "OptimConfig",
+    "CheckpointConfig", "MetricsConfig", "LaunchConfig", "ParityConfig", "MixedPrecisionConfig",
+    "register_configs", "validate_schema", "dtype_of", "MISSING",
+]
+
+
+def build(node: Any, **kwargs: Any) -> Any:
+    """``hydra.utils.instantiate`` that lets our own user errors through unwrapped (one line, no traceback)."""
+    from hydra.errors import InstantiationException
+    from hydra.utils import instantiate
+
+    from hyperpar.errors import HyperparError
+
+    try:
+        return instantiate(node, **kwargs)
+    except InstantiationException as e:
+        cause = e.__cause__
+        while cause is not None and not isinstance(cause, HyperparError):
+            cause = cause.__cause__
+        if cause is not None:
+            raise cause from None
+        raise

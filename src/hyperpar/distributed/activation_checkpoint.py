@@ -1,0 +1,55 @@
+"""Activation checkpointing per block: ``full`` recomputes the whole block, ``selective`` keeps matmul
+outputs and recomputes the cheap element-wise work.
+
+Blocks receive shared inputs (rotary cos/sin) as arguments instead of calling a shared module, so
+recomputation never touches state outside the block.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+from hyperpar.errors import ConfigError
+
+MODES = ("none", "full", "selective")
+
+_SAVE_OPS = {
+    torch.ops.aten.mm.default,
+    torch.ops.aten.addmm.default,
+    torch.ops.aten.bmm.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+    torch.ops.aten.linalg_solve_triangular.default,
+}
+
+
+def _selective_policy(ctx, op, *args, **kwargs):
+    return CheckpointPolicy.MUST_SAVE if op in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _selective_context():
+    return create_selective_checkpoint_contexts(_selective_policy)
+
+
+def wrap_block(block: nn.Module, mode: str) -> nn.Module:
+    if mode == "full":
+        return checkpoint_wrapper(block, preserve_rng_state=False)
+    if mode == "selective":
+        return checkpoint_wrapper(block, preserve_rng_state=False, context_fn=_selective_context)
+    raise ConfigError(f"train.activation_checkpoint='{mode}' is not one of {', '.join(MODES)}")
+
+
+def apply_activation_checkpoint(layers: nn.ModuleDict, mode: str) -> None:
+    """Replace each block in ``layers`` by its checkpointed wrapper (state-dict keys are unchanged)."""
+    if mode not in MODES:
+        raise ConfigError(f"train.activation_checkpoint='{mode}' is not one of {', '.join(MODES)}")
+    if mode == "none":
+        return
+    for name, block in list(layers.items()):
+        layers[name] = wrap_block(block, mode)

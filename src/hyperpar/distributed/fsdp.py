@@ -1,0 +1,40 @@
+"""Data parallelism through FSDP2 (``fully_shard``) on a 2-D (replicate, shard) mesh.
+
+One code path covers every DP layout: single (1x1), DDP (Nx1), FSDP (1xN) and HSDP (RxS). The
+one-rank run is wrapped exactly like the N-rank run so its numerics (mixed-precision casts, the
+reduce dtype, parameter leaves) are the same.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+
+def mixed_precision_policy(param_dtype: torch.dtype, reduce_dtype: torch.dtype) -> MixedPrecisionPolicy:
+    return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype, output_dtype=None, cast_forward_inputs=True)
+
+
+def apply_fsdp(
+    model: nn.Module,
+    blocks: Iterable[nn.Module],
+    mesh,
+    *,
+    param_dtype: torch.dtype,
+    reduce_dtype: torch.dtype,
+    reshard_after_forward: bool = True,
+) -> nn.Module:
+    """Shard each block as its own unit, then the root (embeddings, final norm, head, tied weights)."""
+    mp = mixed_precision_policy(param_dtype, reduce_dtype)
+    blocks = list(blocks)
+    for i, block in enumerate(blocks):
+        # The last block's params are needed right away by backward; keeping them saves one all-gather.
+        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward and i < len(blocks) - 1)
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    # Loss is a sum over the global batch divided by the global token count (see train/loss.py), so
+    # gradients must be summed over data-parallel ranks, not averaged.
+    model.set_gradient_divide_factor(1.0)
+    return model

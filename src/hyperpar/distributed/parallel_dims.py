@@ -1,0 +1,146 @@
+"""ParallelDims: the one place that knows the mesh axis names and sizes.
+
+Axis order, outermost first: pp, dp_replicate, dp_shard, cp, tp. Flattened views that other code
+asks for: ``dp`` (replicate x shard: what the data loader splits over), ``dp_shard_cp`` (what FSDP
+shards over), ``dp_cp`` (what the loss token count is reduced over).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from hyperpar.errors import PlanError
+
+AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+
+# Degrees > 1 on these axes are validated but not built yet; the driver rejects them up front.
+NOT_SUPPORTED_YET = ("tp", "cp", "ep", "pp")
+
+
+@dataclass
+class ParallelDims:
+    world_size: int = 1
+    dp_replicate: int = 1
+    dp_shard: int = -1
+    tp: int = 1
+    cp: int = 1
+    ep: int = 1
+    pp: int = 1
+    vpp: int = 1
+    name: str = "custom"
+    pp_schedule: str = "1F1B"
+    _mesh: Any = field(default=None, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self._check_arithmetic()
+
+    # ---- plan checks (no process group needed) -------------------------------------------
+    def _check_arithmetic(self) -> None:
+        for axis in ("world_size", "dp_replicate", "tp", "cp", "ep", "pp", "vpp"):
+            if getattr(self, axis) < 1:
+                raise PlanError(f"parallel.{axis}={getattr(self, axis)} must be >= 1")
+        others = self.dp_replicate * self.tp * self.cp * self.pp
+        if self.dp_shard == -1:
+            if self.world_size % others:
+                raise PlanError(
+                    f"world_size {self.world_size} is not divisible by dp_replicate*tp*cp*pp = {others}",
+                    hint="dp_shard=-1 takes what is left; make world_size a multiple of the other degrees",
+                )
+            self.dp_shard = self.world_size // others
+        if self.dp_shard < 1:
+            raise PlanError(f"parallel.dp_shard={self.dp_shard} must be >= 1 or -1 (the rest)")
+        product = others * self.dp_shard
+        if product != self.world_size:
+            raise PlanError(
+                f"degrees do not multiply to world_size: pp {self.pp} x dp_replicate {self.dp_replicate} x "
+                f"dp_shard {self.dp_shard} x cp {self.cp} x tp {self.tp} = {product}, world_size = {self.world_size}",
+                hint="fix one degree, or set dp_shard=-1 to infer it",
+            )
+        if self.ep > 1 and (self.dp_shard * self.cp * self.tp) % self.ep:
+            raise PlanError(f"ep {self.ep} must divide dp_shard*cp*tp = {self.dp_shard * self.cp * self.tp}")
+        if self.vpp > 1 and self.pp == 1:
+            raise PlanError("parallel.vpp > 1 needs pp > 1")
+
+    def unsupported(self) -> list[str]:
+        return [f"{a}={getattr(self, a)}" for a in NOT_SUPPORTED_YET if getattr(self, a) > 1]
+
+    def check_supported(self) -> None:
+        bad = self.unsupported()
+        if bad:
+            raise PlanError(
+                f"not supported yet: {', '.join(bad)} (layout '{self.name}')",
+                hint="this build trains DDP/FSDP/HSDP layouts; tensor/context/expert/pipeline parallel come later",
+            )
+
+    def check_model(self, geometry: dict[str, int], *, seq_len: int, global_batch_size: int, micro_batch_size: int) -> None:
+        """Divisibility of the model and batch against the degrees; ``geometry`` values of 0 mean 'absent'."""
+        problems: list[str] = []
+
+        def need(value: int, by: int, what: str, axis: str) -> None:
+            if value and by > 1 and value % by:
+                problems.append(f"{what} {value} not divisible by {axis} {by}")
+
+        need(geometry.get("num_attention_heads", 0), self.tp, "attention heads", "tp")
+        need(geometry.get("num_key_value_heads", 0), self.tp, "key/value heads", "tp")
+        need(geometry.get("linear_num_key_heads", 0), self.tp, "linear-attention key heads", "tp")
+        need(geometry.get("linear_num_value_heads", 0), self.tp, "linear-attention value heads", "tp")
+        need(geometry.get("vision_num_heads", 0), self.tp, "vision heads", "tp")
+        need(geometry.get("num_experts", 0), self.ep, "experts", "ep")
+        layers = geometry.get("num_hidden_layers", 0)
+        if self.pp > 1 and layers < self.pp * self.vpp:
+            problems.append(f"{layers} layers cannot fill pp {self.pp} x vpp {self.vpp} stages")
+        need(seq_len, 2 * self.cp if self.cp > 1 else 1, "train.seq_len", "2*cp")
+        need(seq_len, self.tp, "train.seq_len (sequence parallel)", "tp")
+        dp = self.dp
+        if global_batch_size % (micro_batch_size * dp):
+            problems.append(
+                f"train.global_batch_size {global_batch_size} not divisible by micro_batch_size {micro_batch_size} "
+                f"x data-parallel size {dp}"
+            )
+        if problems:
+            raise PlanError("; ".join(problems), hint="change the degrees or the model/batch sizes")
+
+    # ---- sizes ---------------------------------------------------------------------------
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def fsdp_size(self) -> int:
+        return self.dp_shard * self.cp
+
+    def grad_accum_steps(self, global_batch_size: int, micro_batch_size: int) -> int:
+        return global_batch_size // (micro_batch_size * self.dp)
+
+    def sizes(self) -> dict[str, int]:
+        return {a: getattr(self, a) for a in AXES}
+
+    def describe(self) -> str:
+        axes = " x ".join(f"{a}={getattr(self, a)}" for a in AXES if getattr(self, a) > 1) or "1 rank"
+        extra = f", ep={self.ep}" if self.ep > 1 else ""
+        return f"{self.name}: world_size={self.world_size} ({axes}{extra})"
+
+    # ---- mesh ----------------------------------------------------------------------------
+    def build_mesh(self, device_type: str):
+        """Named DeviceMesh over all axes (size-1 axes included so every view always exists)."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(device_type, tuple(getattr(self, a) for a in AXES), mesh_dim_names=AXES)
+        mesh["dp_replicate", "dp_shard"]._flatten("dp")
+        mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+        mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
+        self._mesh = mesh
+        return mesh
+
+    @property
+    def mesh(self):
+        if self._mesh is None:
+            raise RuntimeError("ParallelDims.build_mesh() has not been called")
+        return self._mesh
+
+    def fsdp_mesh(self):
+        """2-D (replicate, shard) mesh: one FSDP code path covers single, DDP, FSDP and HSDP."""
+        mesh = self.mesh
+        mesh["dp_shard_cp"]  # ensure the flattened view exists
+        return mesh["dp_replicate", "dp_shard_cp"]

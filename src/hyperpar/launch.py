@@ -1,0 +1,198 @@
+"""Start workers (elastic launch), or run in-process; and the worker itself.
+
+worker: device + process group -> mesh -> model (meta) -> parallelize -> materialize/load
+        -> optimizer + LR schedule -> data loader -> Trainer.fit
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+import uuid
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from hyperpar.errors import HyperparError, TrainingError
+
+log = logging.getLogger("hyperpar")
+
+USER_ERROR_FILE = "user_error.txt"
+_jobs_in_process = 0  # per-job store prefix: ranks run the same job sequence, so counters agree
+
+
+def under_torchrun() -> bool:
+    """This process is a rank started by an external torchrun/elastic agent (not by us)."""
+    return "TORCHELASTIC_RUN_ID" in os.environ and os.environ.get("HYPERPAR_WORKER") != "1"
+
+
+def env_rank() -> tuple[int, int, int, int]:
+    """(rank, world_size, local_rank, local_world_size) from the launcher's environment, else one process."""
+    rank = int(os.environ.get("RANK", 0))
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    return rank, world, local_rank, local_world
+
+
+def _init_process_group(backend: str, rank: int, world: int) -> None:
+    import torch.distributed as dist
+
+    global _jobs_in_process
+    _jobs_in_process += 1
+    if "MASTER_ADDR" not in os.environ:
+        # One process and no launcher: an in-memory store, no ports.
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        return
+    # A restarted group or a second job in the same workers must not read the previous round's peers
+    # from the launcher's long-lived store, so every job and attempt gets its own key prefix.
+    from datetime import timedelta
+
+    is_master = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" and rank == 0
+    base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size=world,
+                         is_master=is_master, timeout=timedelta(minutes=10))
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = dist.PrefixStore(f"hyperpar/{run_id}/job{_jobs_in_process}/attempt{attempt}", base)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timedelta(minutes=30))
+
+
+def _threads_for(local_world: int, configured: int) -> int:
+    if configured > 0:
+        return configured
+    return max(1, (os.cpu_count() or 1) // max(1, local_world))
+
+
+def worker_main(cfg: DictConfig, run_dir: str) -> dict[str, Any]:
+    """Train one job as one rank. Returns a small summary (rank 0's losses)."""
+    import torch
+    import torch.distributed as dist
+    from hyperpar.config import build as instantiate
+
+    from hyperpar.data.loader import DistributedBatchLoader
+    from hyperpar.data.registry import DataContext
+    from hyperpar.device import resolve_device
+    from hyperpar.distributed.materialize import materialize
+    from hyperpar.train.metrics import MetricsWriter, setup_rank_logging
+
+    rank, world, local_rank, local_world = env_rank()
+    setup_rank_logging(run_dir, rank, console=rank == 0)
+    torch.set_num_threads(_threads_for(local_world, cfg.launch.threads_per_rank))
+    dev = resolve_device(cfg.device)
+    dev.set_device(local_rank)
+    device = dev.device(local_rank)
+    _init_process_group(dev.backend, rank, world)
+    try:
+        pdims = instantiate(cfg.parallel)
+        if pdims.world_size != world:
+            raise HyperparError(f"parallel.world_size={pdims.world_size} but the launcher started {world} processes",
+                                hint="pick a parallel layout for this many processes")
+        pdims.check_supported()
+        pdims.build_mesh(dev.type)
+        builder = instantiate(cfg.model)
+        log.info("layout %s, model %s, device %s", pdims.describe(), builder.describe(), device)
+        dev.seed_all(cfg.train.seed)
+        model = builder.build_meta()
+        model = builder.spec.parallelize(model, pdims, cfg)
+        materialize(model, device, seed=cfg.train.seed, source=builder.weight_source())
+        model.train()
+        optimizer, scheduler = instantiate(cfg.optim, model=model, total_steps=cfg.train.steps)
+        t = cfg.train
+        ctx = DataContext(seq_len=t.seq_len, seed=t.seed, num_samples=t.steps * t.global_batch_size,
+                          vocab_size=builder.args.vocab_size if hasattr(builder.args, "vocab_size") else builder.args.text.vocab_size,
+                          model_args=builder.args, default_type=builder.spec.default_data, run_dir=run_dir)
+        dataset = instantiate(cfg.data, context=ctx, _convert_="all")
+        dp_mesh = pdims.mesh["dp"]
+        loader = DistributedBatchLoader(dataset, global_batch_size=t.global_batch_size, micro_batch_size=t.micro_batch_size,
+                                        dp_rank=dp_mesh.get_local_rank(), dp_size=dp_mesh.size())
+        metrics = MetricsWriter(run_dir, rank=rank, total_steps=t.steps, progress_bar=cfg.metrics.progress_bar,
+                                tensorboard=cfg.metrics.tensorboard)
+        seq_flops = model.flops_per_token(t.seq_len)
+        trainer = instantiate(
+            cfg.trainer, model=model, optimizer=optimizer, scheduler=scheduler, loader=loader, parallel_dims=pdims,
+            device_info=dev, device=device, run_dir=run_dir, steps=t.steps, max_grad_norm=t.max_grad_norm,
+            flops_per_token=seq_flops, peak_flops=dev.peak_flops(torch.float32 if t.mixed_precision.param_dtype == "float32" else torch.bfloat16),
+            rank=rank, metrics=metrics, _recursive_=False,
+        )
+        try:
+            result = trainer.fit()
+        finally:
+            metrics.close()
+        if world > 1:
+            dist.barrier()
+        return {"rank": rank, **result}
+    except HyperparError as e:
+        if rank == 0 or not (Path(run_dir) / USER_ERROR_FILE).exists():
+            (Path(run_dir) / USER_ERROR_FILE).write_text(e.one_line() + "\n")
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_worker(cfg_path: str, run_dir: str) -> dict[str, Any]:
+    """Entry of a worker process started by :func:`launch_workers` (module-level: pickled by reference)."""
+    os.environ["HYPERPAR_WORKER"] = "1"
+    cfg = OmegaConf.load(cfg_path)
+    try:
+        return worker_main(cfg, run_dir)
+    except HyperparError as e:
+        print(e.one_line(), file=sys.stderr)
+        sys.exit(2)
+
+
+def launch_workers(cfg: DictConfig, run_dir: str) -> dict[str, Any]:
+    """Start world_size local workers with PyTorch's elastic launcher (torchrun semantics)."""
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    cfg_path = str(Path(run_dir) / "config.yaml")
+    n = int(cfg.parallel.world_size)
+    lc = LaunchConfig(
+        min_nodes=1, max_nodes=1, nproc_per_node=n, run_id=str(uuid.uuid4()),
+        rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=int(cfg.launch.max_restarts),
+        monitor_interval=float(cfg.launch.monitor_interval), start_method="spawn",
+        logs_specs=DefaultLogsSpecs(log_dir=str(Path(run_dir) / "workers"), redirects=Std.NONE, tee=Std.NONE),
+    )
+    # Each rank gets its share of the cores; OMP_NUM_THREADS otherwise defaults to all of them per rank.
+    os.environ.setdefault("OMP_NUM_THREADS", str(_threads_for(n, int(cfg.launch.threads_per_rank))))
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)}
+    try:
+        results = elastic_launch(lc, run_worker)(cfg_path, run_dir)
+    except ChildFailedError as e:
+        user = Path(run_dir) / USER_ERROR_FILE
+        if user.exists():
+            raise TrainingError(user.read_text().strip().split(" error: ", 1)[-1]) from None
+        rank, failure = e.get_first_failure()
+        raise RuntimeError(f"worker rank {rank} failed (exit code {failure.exitcode}); see {run_dir}/logs/rank_{rank}.log "
+                           f"and {failure.error_file}") from e
+    finally:
+        for s, h in saved.items():
+            signal.signal(s, h)
+    return results[0]
+
+
+def run_job(cfg: DictConfig, run_dir: str) -> dict[str, Any]:
+    """Run the job from the driver: in-process for one rank or under torchrun, else start workers."""
+    Path(run_dir).mkdir(parents=True, exist_ok=True)
+    if under_torchrun():
+        return worker_main(cfg, run_dir)
+    OmegaConf.save(cfg, Path(run_dir) / "config.yaml", resolve=True)
+    if int(cfg.parallel.world_size) == 1:
+        return worker_main(cfg, run_dir)
+    return launch_workers(cfg, run_dir)
+
+
+def write_result(run_dir: str, cfg: DictConfig, *, status: str, error: str | None, job_name: str, overrides: list[str]) -> None:
+    record = {
+        "status": status, "error": error, "job_name": job_name, "overrides": overrides,
+        "parallel": cfg.parallel.name, "world_size": int(cfg.parallel.world_size),
+        "param_dtype": cfg.train.mixed_precision.param_dtype, "steps": int(cfg.train.steps), "seed": int(cfg.train.seed),
+        "model": cfg.model.name,
+    }
+    (Path(run_dir) / "result.json").write_text(json.dumps(record, indent=2) + "\n")

@@ -1,0 +1,78 @@
+"""Building blocks shared by the model families (norms, rotary, attention, GatedDeltaNet, MLP)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hyperpar.models.layers.attention import Attention, attention_core
+from hyperpar.models.layers.gated_deltanet import (
+    GatedDeltaNet,
+    causal_depthwise_conv1d,
+    chunk_gated_delta_rule,
+    recurrent_gated_delta_rule,
+)
+from hyperpar.models.layers.mlp import SwiGLUMLP
+from hyperpar.models.layers.norms import GatedRMSNorm, RMSNorm
+from hyperpar.models.layers.rope import RotaryEmbedding, apply_rotary
+
+__all__ = [
+    "Attention",
+    "GatedDeltaNet",
+    "GatedRMSNorm",
+    "RMSNorm",
+    "RotaryEmbedding",
+    "SwiGLUMLP",
+    "apply_rotary",
+    "attention_core",
+    "causal_depthwise_conv1d",
+    "chunk_gated_delta_rule",
+    "init_param_by_module",
+    "recurrent_gated_delta_rule",
+]
+
+# Wrappers that parallelisation may insert between a module and its children; their extra name
+# segment is skipped when resolving a parameter name to the module that owns it.
+_WRAPPER_ATTRS = ("_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module", "module")
+
+
+def _owner(root: nn.Module, path: list[str]) -> nn.Module:
+    module = root
+    for part in path:
+        child = module._modules.get(part)
+        while child is None:
+            inner = next((module._modules[a] for a in _WRAPPER_ATTRS if a in module._modules), None)
+            if inner is None:
+                raise KeyError(f"no module '{'.'.join(path)}' in {type(root).__name__}")
+            module = inner
+            child = module._modules.get(part)
+        module = child
+    return module
+
+
+def init_param_by_module(
+    root: nn.Module, name: str, full: torch.Tensor, gen: torch.Generator, *, std: float = 0.02
+) -> None:
+    """Fill ``full`` (the full-shaped fp32 CPU tensor of parameter ``name``) in place.
+
+    Dispatches on the owning module's type, mirroring transformers' ``_init_weights``: Linear /
+    Embedding / Conv weights ~ N(0, std), biases 0, norms at their identity value, GatedDeltaNet's
+    ``dt_bias`` = 1 and ``A_log`` = log U(0.01, 16). Embedding padding rows are zeroed.
+    """
+    *path, leaf = name.split(".")
+    module = _owner(root, path)
+    with torch.no_grad():
+        if isinstance(module, (RMSNorm, GatedRMSNorm)):
+            full.fill_(module.init_value())
+        elif isinstance(module, GatedDeltaNet) and leaf == "dt_bias":
+            full.fill_(1.0)
+        elif isinstance(module, GatedDeltaNet) and leaf == "A_log":
+            full.uniform_(0.01, 16.0, generator=gen).log_()
+        elif leaf == "bias":
+            full.zero_()
+        elif isinstance(module, (nn.Linear, nn.Embedding, nn.Conv1d)) and leaf == "weight":
+            full.normal_(0.0, std, generator=gen)
+            if isinstance(module, nn.Embedding) and module.padding_idx is not None:
+                full[module.padding_idx].zero_()
+        else:
+            raise KeyError(f"no init rule for parameter '{name}' ({type(module).__name__}.{leaf})")

@@ -1,0 +1,223 @@
+"""GatedDeltaNet (Qwen3.5 linear attention, MODELS.md 5) in plain PyTorch.
+
+``chunk_gated_delta_rule`` is the chunked (WY / UT-transform) form of the gated delta rule,
+written for CPU/NPU training where no Triton kernel exists: everything that does not depend on the
+carried state is computed for all chunks at once, and the sequential part per chunk is two small
+batched matmuls.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hyperpar.models.layers.norms import GatedRMSNorm
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """``x · rsqrt(Σx² + eps)`` over the last dim (the FLA / transformers convention)."""
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def causal_depthwise_conv1d(x: torch.Tensor, weight: torch.Tensor, *, silu: bool = True) -> torch.Tensor:
+    """Causal depthwise conv over time, no bias: ``u[t, c] = Σ_i w[c, 0, i] · x[t − (K−1) + i, c]``.
+
+    x: (B, S, C); weight: (C, 1, K) (the nn.Conv1d layout of the checkpoint). Computed in the
+    weight's dtype, then silu (if asked), then cast to x's dtype (as transformers does). Written as K shifted multiply-adds in the (B, S, C) layout: for K = 4 this is ~2-3×
+    faster on CPU than a grouped ``F.conv1d`` (which also needs two transposes).
+    """
+    K = weight.shape[-1]
+    S = x.shape[1]
+    xp = F.pad(x.to(weight.dtype), (0, 0, K - 1, 0))  # (B, S + K − 1, C), zeros before t = 0
+    w = weight.view(weight.shape[0], K)  # (C, K)
+    y = xp[:, 0:S] * w[:, 0]
+    for i in range(1, K):
+        y = torch.addcmul(y, xp[:, i : i + S], w[:, i])
+    if silu:
+        y = F.silu(y)
+    return y.to(x.dtype)
+
+
+def chunk_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    chunk_size: int = 64,
+    *,
+    scale: float | None = None,
+    use_qk_l2norm: bool = True,
+) -> torch.Tensor:
+    """Gated delta rule over a whole sequence, state starting at zero (MODELS.md 5.3, 5.4).
+
+    q, k: (B, S, nk, dk); v: (B, S, nv, dv); g (log decay, ≤ 0), beta: (B, S, nv); nv a multiple
+    of nk with value head j reading key head j // (nv/nk). Returns o: (B, S, nv, dv) in v's dtype.
+    All arithmetic is fp32. Any S ≥ 1 works: the tail is zero-padded to a whole chunk (padding has
+    g = 0, k = v = 0, beta = 0 and so changes nothing).
+    """
+    B, S, nk, dk = k.shape
+    nv, dv = v.shape[-2:]
+    if nv % nk:
+        raise ValueError(f"value heads {nv} must be a multiple of key heads {nk}")
+    r = nv // nk
+    out_dtype = v.dtype
+    q, k, v, g, beta = (t.float() for t in (q, k, v, g, beta))
+    if use_qk_l2norm:
+        q, k = l2norm(q), l2norm(k)
+    q = q * (dk**-0.5 if scale is None else scale)
+
+    C = chunk_size
+    pad = (-S) % C
+    if pad:
+        q, k, v = (F.pad(t, (0, 0, 0, 0, 0, pad)) for t in (q, k, v))
+        g, beta = (F.pad(t, (0, 0, 0, pad)) for t in (g, beta))
+    N = (S + pad) // C
+
+    # Chunk-major layouts: leading (N, B, heads) dims are plain batch dims for every matmul, and the
+    # per-chunk slices in the scan below are contiguous. Value heads are split (nk, r) so key-side
+    # products are computed once per key head and broadcast over its r value heads.
+    qc = q.view(B, N, C, nk, dk).permute(1, 0, 3, 2, 4).contiguous()  # (N, B, nk, C, dk)
+    kc = k.view(B, N, C, nk, dk).permute(1, 0, 3, 2, 4).contiguous()  # (N, B, nk, C, dk)
+    vc = v.view(B, N, C, nk, r, dv).permute(1, 0, 3, 4, 2, 5)  # (N, B, nk, r, C, dv)
+    gc = g.view(B, N, C, nk, r).permute(1, 0, 3, 4, 2)  # (N, B, nk, r, C)
+    bc = beta.view(B, N, C, nk, r).permute(1, 0, 3, 4, 2)  # (N, B, nk, r, C)
+
+    gamma = gc.cumsum(-1)  # log decay from the chunk start, inclusive
+    upper = torch.ones(C, C, dtype=torch.bool, device=q.device).triu(1)
+    # Γ_ij = exp(γ_i − γ_j) for j ≤ i, else 0 (masked before exp so nothing overflows)
+    decay = (gamma.unsqueeze(-1) - gamma.unsqueeze(-2)).masked_fill(upper, float("-inf")).exp()  # (N,B,nk,r,C,C)
+    kkt = kc @ kc.transpose(-1, -2)  # (N, B, nk, C, C)
+    qkt = qc @ kc.transpose(-1, -2)
+    # A = I + strict_lower(diag(β) K Kᵀ ⊙ Γ); the solve below treats the diagonal as 1.
+    a_mat = kkt.unsqueeze(3) * decay * bc.unsqueeze(-1)  # (N, B, nk, r, C, C)
+    attn = qkt.unsqueeze(3) * decay  # intra-chunk attention incl. the diagonal
+    eg = gamma.exp()  # (N, B, nk, r, C)
+    # One triangular solve for both right-hand sides: U = A⁻¹ βV, W = A⁻¹ (βK ⊙ e^γ).
+    rhs = torch.cat((vc * bc.unsqueeze(-1), kc.unsqueeze(3) * (bc * eg).unsqueeze(-1)), dim=-1)
+    uw = torch.linalg.solve_triangular(a_mat, rhs, upper=False, unitriangular=True)  # (N,B,nk,r,C,dv+dk)
+    q_dec = qc.unsqueeze(3) * eg.unsqueeze(-1)  # Q ⊙ e^γ: reads the state entering the chunk
+    k_dec = kc.unsqueeze(3) * (gamma[..., -1:] - gamma).exp().unsqueeze(-1)  # K ⊙ e^(γ_C − γ)
+    chunk_decay = gamma[..., -1].exp()  # (N, B, nk, r)
+
+    BH = B * nv
+    uw = uw.reshape(N, BH, C, dv + dk)
+    u_all, w_all = uw[..., :dv], uw[..., dv:]
+    k_dec = k_dec.reshape(N, BH, C, dk)
+    chunk_decay = chunk_decay.reshape(N, BH, 1, 1)
+
+    # Sequential scan over chunks: only the state S (BH, dk, dv) is carried. unbind() gives one
+    # autograd node for all slices (indexing per step would zero-fill a full-size gradient each time).
+    u_l, w_l, kd_l, cd_l = u_all.unbind(0), w_all.unbind(0), k_dec.unbind(0), chunk_decay.unbind(0)
+    state = torch.zeros(BH, dk, dv, dtype=torch.float32, device=q.device)
+    states, new_vals = [], []
+    for i in range(N):
+        states.append(state)
+        v_new = u_l[i] if i == 0 else torch.baddbmm(u_l[i], w_l[i], state, alpha=-1)  # U − W S
+        new_vals.append(v_new)
+        if i + 1 < N:
+            state = torch.baddbmm(state * cd_l[i], kd_l[i].transpose(-1, -2), v_new)
+    s_all = torch.stack(states)  # (N, BH, dk, dv): state entering each chunk
+    vn_all = torch.stack(new_vals)  # (N, BH, C, dv)
+
+    # O = (Q ⊙ e^γ) S + (QKᵀ ⊙ Γ) V', batched over all chunks
+    o = q_dec.reshape(N, BH, C, dk) @ s_all + attn.reshape(N, BH, C, C) @ vn_all  # (N, BH, C, dv)
+    o = o.view(N, B, nv, C, dv).permute(1, 0, 3, 2, 4).reshape(B, N * C, nv, dv)
+    return o[:, :S].to(out_dtype)
+
+
+def recurrent_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    scale: float | None = None,
+    use_qk_l2norm: bool = True,
+) -> torch.Tensor:
+    """Token-by-token reference of the same recurrence (slow; for tests and decoding).
+
+    ``S_t = α_t S_{t−1} + k̂_t ⊗ β_t (v_t − α_t S_{t−1}ᵀ k̂_t)``, ``o_t = S_tᵀ q̂_t``. Shapes as above.
+    """
+    B, S, nk, dk = k.shape
+    nv, dv = v.shape[-2:]
+    r = nv // nk
+    out_dtype = v.dtype
+    q, k, v, g, beta = (t.float() for t in (q, k, v, g, beta))
+    if use_qk_l2norm:
+        q, k = l2norm(q), l2norm(k)
+    q = q * (dk**-0.5 if scale is None else scale)
+    q = q.repeat_interleave(r, dim=2)
+    k = k.repeat_interleave(r, dim=2)
+    state = torch.zeros(B, nv, dk, dv, dtype=torch.float32, device=q.device)
+    outs = []
+    for t in range(S):
+        state = state * g[:, t].exp()[..., None, None]
+        kv_mem = torch.einsum("bhkv,bhk->bhv", state, k[:, t])
+        delta = (v[:, t] - kv_mem) * beta[:, t, :, None]
+        state = state + k[:, t, :, :, None] * delta[:, :, None, :]
+        outs.append(torch.einsum("bhkv,bhk->bhv", state, q[:, t]))
+    return torch.stack(outs, dim=1).to(out_dtype)
+
+
+class GatedDeltaNet(nn.Module):
+    """Qwen3.5 ``linear_attn`` block with transformers' parameter names and layouts (MODELS.md 5.1).
+
+    x (B, S, H) → in_proj_qkv → causal conv + silu → split Q | K | V → gated delta rule with decay
+    ``g = −exp(A_log) · softplus(a + dt_bias)`` and ``β = sigmoid(b)`` → gated RMSNorm with
+    z → out_proj.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_key_heads: int,
+        num_value_heads: int,
+        key_head_dim: int,
+        value_head_dim: int,
+        conv_kernel_size: int = 4,
+        *,
+        eps: float = 1e-6,
+        chunk_size: int = 64,
+    ) -> None:
+        super().__init__()
+        if num_value_heads % num_key_heads:
+            raise ValueError(f"linear value heads {num_value_heads} not a multiple of key heads {num_key_heads}")
+        self.num_key_heads = num_key_heads
+        self.num_value_heads = num_value_heads
+        self.key_head_dim = key_head_dim
+        self.value_head_dim = value_head_dim
+        self.chunk_size = chunk_size
+        key_dim = num_key_heads * key_head_dim
+        value_dim = num_value_heads * value_head_dim
+        conv_dim = 2 * key_dim + value_dim
+        self.in_proj_qkv = nn.Linear(hidden_size, conv_dim, bias=False)  # rows [Q; K; V]
+        self.in_proj_z = nn.Linear(hidden_size, value_dim, bias=False)
+        self.in_proj_b = nn.Linear(hidden_size, num_value_heads, bias=False)
+        self.in_proj_a = nn.Linear(hidden_size, num_value_heads, bias=False)
+        self.conv1d = nn.Conv1d(conv_dim, conv_dim, conv_kernel_size, groups=conv_dim, bias=False)
+        self.dt_bias = nn.Parameter(torch.ones(num_value_heads))
+        self.A_log = nn.Parameter(torch.empty(num_value_heads).uniform_(0.01, 16).log_())
+        self.norm = GatedRMSNorm(value_head_dim, eps)
+        self.out_proj = nn.Linear(value_dim, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, S, _ = x.shape
+        dk, dv = self.key_head_dim, self.value_head_dim
+        mixed = causal_depthwise_conv1d(self.in_proj_qkv(x), self.conv1d.weight, silu=True)
+        # Block widths from the local tensor, so a head-sharded (TP) layer works unchanged.
+        nv_local = self.in_proj_b.weight.shape[0]
+        value_dim = nv_local * dv
+        key_dim = (mixed.shape[-1] - value_dim) // 2
+        q, k, v = torch.split(mixed, [key_dim, key_dim, value_dim], dim=-1)
+        q = q.view(B, S, -1, dk)
+        k = k.view(B, S, -1, dk)
+        v = v.view(B, S, -1, dv)
+        beta = torch.sigmoid(self.in_proj_b(x))  # (B, S, nv), activation dtype
+        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)  # fp32, ≤ 0
+        o = chunk_gated_delta_rule(q, k, v, g, beta, self.chunk_size)  # (B, S, nv, dv)
+        z = self.in_proj_z(x).view(B, S, -1, dv)
+        o = self.norm(o, z)
+        return self.out_proj(o.reshape(B, S, -1))

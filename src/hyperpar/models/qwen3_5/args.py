@@ -1,0 +1,233 @@
+"""Qwen3.5 dense geometry and its mapping to/from a Hugging Face config.json (MODELS.md 2)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from hyperpar.errors import ConfigError
+
+LINEAR = "linear_attention"
+FULL = "full_attention"
+
+
+def interval_layer_types(num_layers: int, interval: int = 4) -> list[str]:
+    """transformers' expansion of ``full_attention_interval``: layer i is full iff (i+1) % interval == 0."""
+    return [FULL if (i + 1) % interval == 0 else LINEAR for i in range(num_layers)]
+
+
+@dataclass
+class Qwen3_5Args:
+    vocab_size: int = 248320
+    hidden_size: int = 4096
+    intermediate_size: int = 12288
+    num_hidden_layers: int = 32
+    num_attention_heads: int = 16
+    num_key_value_heads: int = 4
+    head_dim: int = 256
+    rms_norm_eps: float = 1e-6
+    layer_types: list[str] = field(default_factory=list)  # empty → every 4th layer full
+    linear_conv_kernel_dim: int = 4
+    linear_key_head_dim: int = 128
+    linear_value_head_dim: int = 128
+    linear_num_key_heads: int = 16
+    linear_num_value_heads: int = 32
+    rope_theta: float = 1e7
+    partial_rotary_factor: float = 0.25
+    mrope_section: list[int] = field(default_factory=lambda: [11, 11, 10])
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    hidden_act: str = "silu"
+    max_position_embeddings: int = 262144
+    initializer_range: float = 0.02
+    pad_token_id: int | None = None
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+
+    def __post_init__(self) -> None:
+        if not self.layer_types:
+            self.layer_types = interval_layer_types(self.num_hidden_layers)
+        self.layer_types = list(self.layer_types)
+        self.mrope_section = list(self.mrope_section)
+        self.validate()
+
+    def validate(self) -> None:
+        def bad(msg: str, hint: str | None = None) -> ConfigError:
+            return ConfigError(f"qwen3_5: {msg}", hint=hint)
+
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise bad(f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers")
+        unknown = sorted(set(self.layer_types) - {LINEAR, FULL})
+        if unknown:
+            raise bad(f"unknown layer types {unknown}", hint=f"use '{LINEAR}' or '{FULL}'")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise bad(f"num_attention_heads {self.num_attention_heads} not a multiple of num_key_value_heads {self.num_key_value_heads}")
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise bad(f"linear_num_value_heads {self.linear_num_value_heads} not a multiple of linear_num_key_heads {self.linear_num_key_heads}")
+        if self.hidden_act != "silu":
+            raise bad(f"hidden_act '{self.hidden_act}' is not supported", hint="Qwen3.5 uses silu")
+        rot = self.rotary_dim
+        if rot <= 0 or rot % 2 or rot > self.head_dim:
+            raise bad(f"rotary dim int(head_dim·partial_rotary_factor) = {rot} must be even and in (0, head_dim]")
+        if len(self.mrope_section) != 3:
+            raise bad(f"mrope_section must have 3 entries, got {self.mrope_section}")
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def num_full_layers(self) -> int:
+        return self.layer_types.count(FULL)
+
+    @property
+    def num_linear_layers(self) -> int:
+        return self.layer_types.count(LINEAR)
+
+    # --- Hugging Face config.json --------------------------------------------------------------
+
+    @classmethod
+    def from_hf_config(cls, d: dict[str, Any]) -> "Qwen3_5Args":
+        """From a ``qwen3_5_text`` config or a composite ``qwen3_5`` (VL) config with ``text_config``.
+
+        Absent fields take transformers' class defaults (not the released values), except that
+        tying follows the checkpoint's own class: a composite config ties by its top-level flag.
+        """
+        text = d
+        tie = d.get("tie_word_embeddings", False)
+        if "text_config" in d or d.get("model_type") == "qwen3_5":
+            if not isinstance(d.get("text_config"), dict):
+                raise ConfigError("qwen3_5 composite config.json has no text_config")
+            text = d["text_config"]
+            tie = d.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
+        rope = dict(text.get("rope_parameters") or text.get("rope_scaling") or {})
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type != "default":
+            raise ConfigError(f"qwen3_5: rope_type '{rope_type}' is not supported", hint="only 'default' is")
+        if float(text.get("attention_dropout", 0.0) or 0.0) != 0.0:
+            raise ConfigError("qwen3_5: attention_dropout > 0 is not supported")
+        num_layers = int(text.get("num_hidden_layers", 32))
+        layer_types = text.get("layer_types") or interval_layer_types(
+            num_layers, int(text.get("full_attention_interval", 4))
+        )
+        return cls(
+            vocab_size=int(text.get("vocab_size", 248320)),
+            hidden_size=int(text.get("hidden_size", 4096)),
+            intermediate_size=int(text.get("intermediate_size", 12288)),
+            num_hidden_layers=num_layers,
+            num_attention_heads=int(text.get("num_attention_heads", 16)),
+            num_key_value_heads=int(text.get("num_key_value_heads", 4)),
+            head_dim=int(text.get("head_dim") or 256),
+            rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
+            layer_types=list(layer_types),
+            linear_conv_kernel_dim=int(text.get("linear_conv_kernel_dim", 4)),
+            linear_key_head_dim=int(text.get("linear_key_head_dim", 128)),
+            linear_value_head_dim=int(text.get("linear_value_head_dim", 128)),
+            linear_num_key_heads=int(text.get("linear_num_key_heads", 16)),
+            linear_num_value_heads=int(text.get("linear_num_value_heads", 32)),
+            rope_theta=float(rope.get("rope_theta", text.get("rope_theta", 10000.0))),
+            partial_rotary_factor=float(rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25))),
+            mrope_section=list(rope.get("mrope_section") or [11, 11, 10]),
+            tie_word_embeddings=bool(tie),
+            attention_bias=bool(text.get("attention_bias", False)),
+            hidden_act=str(text.get("hidden_act", "silu")),
+            max_position_embeddings=int(text.get("max_position_embeddings", 32768)),
+            initializer_range=float(text.get("initializer_range", 0.02)),
+            pad_token_id=text.get("pad_token_id"),
+            bos_token_id=text.get("bos_token_id"),
+            eos_token_id=text.get("eos_token_id"),
+        )
+
+    def to_hf_config(self) -> dict[str, Any]:
+        """A ``Qwen3_5ForCausalLM`` config.json with every field explicit."""
+        return {
+            "architectures": ["Qwen3_5ForCausalLM"],
+            "model_type": "qwen3_5_text",
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": self.hidden_act,
+            "rms_norm_eps": self.rms_norm_eps,
+            "layer_types": list(self.layer_types),
+            "linear_conv_kernel_dim": self.linear_conv_kernel_dim,
+            "linear_key_head_dim": self.linear_key_head_dim,
+            "linear_value_head_dim": self.linear_value_head_dim,
+            "linear_num_key_heads": self.linear_num_key_heads,
+            "linear_num_value_heads": self.linear_num_value_heads,
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": self.rope_theta,
+                "partial_rotary_factor": self.partial_rotary_factor,
+                "mrope_section": list(self.mrope_section),
+                "mrope_interleaved": True,
+            },
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "attention_bias": self.attention_bias,
+            "attention_dropout": 0.0,
+            "max_position_embeddings": self.max_position_embeddings,
+            "initializer_range": self.initializer_range,
+            "pad_token_id": self.pad_token_id,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": self.eos_token_id,
+            "use_cache": True,
+        }
+
+    def replace(self, **changes: Any) -> "Qwen3_5Args":
+        return type(self)(**{**asdict(self), **changes})
+
+
+def _real(hidden: int, layers: int, nh: int, nkv: int, inter: int, nv: int, tied: bool) -> Qwen3_5Args:
+    # MODELS.md 2.7: shared by all released dense sizes.
+    return Qwen3_5Args(
+        vocab_size=248320,
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_hidden_layers=layers,
+        num_attention_heads=nh,
+        num_key_value_heads=nkv,
+        head_dim=256,
+        layer_types=interval_layer_types(layers, 4),
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_num_key_heads=16,
+        linear_num_value_heads=nv,
+        rope_theta=1e7,
+        partial_rotary_factor=0.25,
+        mrope_section=[11, 11, 10],
+        tie_word_embeddings=tied,
+    )
+
+
+FLAVORS: dict[str, Qwen3_5Args] = {
+    # ~1.6M parameters, both layer types in each half (a 2-stage pipeline split keeps both kinds),
+    # dk ≠ dv and nv = 2·nk so layout and head-repeat bugs cannot hide.
+    "debug": Qwen3_5Args(
+        vocab_size=2048,
+        hidden_size=128,
+        intermediate_size=384,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        layer_types=[LINEAR, FULL, LINEAR, FULL],
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=32,
+        linear_value_head_dim=64,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        rope_theta=1e7,
+        partial_rotary_factor=0.25,
+        mrope_section=[3, 3, 2],
+        tie_word_embeddings=False,
+        max_position_embeddings=4096,
+    ),
+    "0.8b": _real(1024, 24, 8, 2, 3584, 16, tied=True),
+    "4b": _real(2560, 32, 16, 4, 9216, 32, tied=True),
+    "9b": _real(4096, 32, 16, 4, 12288, 32, tied=False),
+    "27b": _real(5120, 64, 24, 4, 17408, 48, tied=False),
+}

@@ -1,0 +1,172 @@
+"""Qwen3.5 dense text model (``Qwen3_5ForCausalLM``), parameter names identical to transformers.
+
+Plain PyTorch, no distributed code: ``parallelize.py`` cuts it. The layer stack is an
+``nn.ModuleDict`` keyed "0".."L-1" so a pipeline stage can delete layers, and forward runs on
+whatever is left (no embedding → the input is already hidden states; no norm/head → hidden
+states out).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hyperpar.models.layers import (
+    Attention,
+    GatedDeltaNet,
+    RMSNorm,
+    RotaryEmbedding,
+    SwiGLUMLP,
+    init_param_by_module,
+)
+from hyperpar.models.qwen3_5.args import FULL, LINEAR, Qwen3_5Args
+
+
+class Qwen3_5DecoderLayer(nn.Module):
+    """Pre-norm block: ``h = x + Mixer(norm(x)); y = h + MLP(norm(h))``; Mixer is GatedDeltaNet
+    (``linear_attn``) or gated attention (``self_attn``) by layer type. The unit for FSDP and
+    activation checkpointing."""
+
+    def __init__(self, args: Qwen3_5Args, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_type = args.layer_types[layer_idx]
+        H, eps = args.hidden_size, args.rms_norm_eps
+        self.input_layernorm = RMSNorm(H, eps, offset=True)
+        if self.layer_type == LINEAR:
+            self.linear_attn = GatedDeltaNet(
+                H,
+                args.linear_num_key_heads,
+                args.linear_num_value_heads,
+                args.linear_key_head_dim,
+                args.linear_value_head_dim,
+                args.linear_conv_kernel_dim,
+                eps=eps,
+            )
+        else:
+            self.self_attn = Attention(
+                H,
+                args.num_attention_heads,
+                args.num_key_value_heads,
+                args.head_dim,
+                eps=eps,
+                output_gate=True,
+                norm_offset=True,
+                bias=args.attention_bias,
+            )
+        self.post_attention_layernorm = RMSNorm(H, eps, offset=True)
+        self.mlp = self.build_mlp(args)
+
+    def build_mlp(self, args: Qwen3_5Args) -> nn.Module:
+        """The FFN; a MoE family overrides this."""
+        return SwiGLUMLP(args.hidden_size, args.intermediate_size)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x: (B, S, H); cos/sin: (B, S, rot) from the model's rotary (unused by GDN layers)."""
+        h = self.input_layernorm(x)
+        if self.layer_type == LINEAR:
+            h = self.linear_attn(h)
+        else:
+            h = self.self_attn(h, cos, sin)
+        x = x + h
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Qwen3_5TextModel(nn.Module):
+    def __init__(self, args: Qwen3_5Args) -> None:
+        super().__init__()
+        self.embed_tokens: nn.Embedding | None = nn.Embedding(
+            args.vocab_size, args.hidden_size, padding_idx=args.pad_token_id
+        )
+        self.layers = nn.ModuleDict({str(i): self.layer_cls(args, i) for i in range(args.num_hidden_layers)})
+        self.norm: RMSNorm | None = RMSNorm(args.hidden_size, args.rms_norm_eps, offset=True)
+        # Owned here, not by the layers: cos/sin are computed once per forward and passed down.
+        self.rotary_emb = RotaryEmbedding(
+            args.head_dim, args.rope_theta, args.partial_rotary_factor, args.mrope_section
+        )
+
+    layer_cls = Qwen3_5DecoderLayer
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids (B, S) token ids, or (B, S, H) hidden states when this stage has no embedding."""
+        h = self.embed_tokens(input_ids) if self.embed_tokens is not None else input_ids
+        if position_ids is None:
+            B, S = h.shape[:2]
+            position_ids = torch.arange(S, device=h.device).unsqueeze(0).expand(B, S)
+        cos, sin = self.rotary_emb(position_ids, h.dtype)
+        for layer in self.layers.values():
+            h = layer(h, cos, sin)
+        if self.norm is not None:
+            h = self.norm(h)
+        return h
+
+
+class Qwen3_5ForCausalLM(nn.Module):
+    """``forward(input_ids, position_ids=None) -> logits`` (B, S, V) in the activation dtype.
+
+    position_ids: None (0..S−1), (B, S), (3, B, S) rows T/H/W, or (4, B, S) with a text row first
+    (ignored: attention is always plain causal, one document per row).
+    """
+
+    block_cls = Qwen3_5DecoderLayer
+
+    def __init__(self, args: Qwen3_5Args) -> None:
+        super().__init__()
+        self.args = args
+        self.model = Qwen3_5TextModel(args)
+        self.lm_head: nn.Linear | None = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Share ``lm_head.weight`` with the embedding when the args say so and both exist here.
+
+        Needed again after ``to_empty``: it materialises each module's parameters separately and
+        so unties them.
+        """
+        if self.args.tie_word_embeddings and self.lm_head is not None and self.model.embed_tokens is not None:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        h = self.model(input_ids, position_ids)
+        return self.lm_head(h) if self.lm_head is not None else h
+
+    # --- framework hooks (see hyperpar.models.spec) -----------------------------------------
+
+    def init_param(self, name: str, full: torch.Tensor, gen: torch.Generator) -> None:
+        """Fill the full-shaped fp32 tensor of parameter ``name`` in place (a pure function of gen)."""
+        init_param_by_module(self, name, full, gen, std=self.args.initializer_range)
+
+    def init_buffers(self) -> None:
+        """Recompute non-persistent buffers on the current device and restore the weight tie."""
+        self.model.rotary_emb.reset_buffers()
+        self.tie_weights()
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token (forward + backward), PERF_NOTES.md's formula.
+
+        6 × (non-embedding parameters, lm_head counted even when tied, since its matmul runs)
+        + 12 × full layers × nh × hd × seq (attention scores and values)
+        + the gated-delta-rule chunk matmuls: per token and value head, with chunk C = 64,
+        K Kᵀ and Q Kᵀ (2·C·dk), the triangular solve for U and W (C·(dk+dv)/2), the intra-chunk
+        attention times V' (C·dv) and the three state products W S, Q S, Kᵀ V' (3·dk·dv)
+        multiply-adds; × 2 FLOPs × 3 for forward + backward.
+        """
+        a = self.args
+        H, V = a.hidden_size, a.vocab_size
+        mlp = 3 * H * a.intermediate_size + 2 * H  # + the two decoder norms
+        nh, nkv, hd = a.num_attention_heads, a.num_key_value_heads, a.head_dim
+        attn = H * 2 * nh * hd + 2 * H * nkv * hd + nh * hd * H + 2 * hd
+        nk, nv, dk, dv, kc = (
+            a.linear_num_key_heads,
+            a.linear_num_value_heads,
+            a.linear_key_head_dim,
+            a.linear_value_head_dim,
+            a.linear_conv_kernel_dim,
+        )
+        conv_dim = 2 * nk * dk + nv * dv
+        gdn = H * conv_dim + conv_dim * kc + H * nv * dv + 2 * H * nv + 2 * nv + dv + nv * dv * H
+        params = a.num_full_layers * (attn + mlp) + a.num_linear_layers * (gdn + mlp) + H + V * H
+        C = 64
+        gdn_macs = nv * (2 * C * dk + C * (dk + dv) / 2 + C * dv + 3 * dk * dv)
+        return float(
+            6 * params + 12 * a.num_full_layers * nh * hd * seq_len + 6 * a.num_linear_layers * gdn_macs
+        )

@@ -1,0 +1,249 @@
+"""Compare every job's loss curve with the baseline's and give each a verdict.
+
+The contract (docs/guide/parity.md, DESIGN.md "Numerics contract"): fp32 runs must match the
+1-process run per step within 1e-5; bf16 runs only promise the mean loss over the compared
+steps within 5e-3, because bf16 rounding differs with the reduction order of each layout.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from hyperpar.parity.runs import ParityInputError, RunRecord
+
+DEFAULT_TOLERANCE_MEAN = 5e-3
+DEFAULT_TOLERANCE_STEP = 1e-5
+BF16 = "bfloat16"
+
+StepTolerance = float | None | Literal["auto"]
+
+
+@dataclass
+class JobRow:
+    """One job's comparison with the baseline; the fields are the report's columns."""
+
+    name: str
+    label: str
+    path: str
+    parallel: str | None
+    world_size: int | None
+    param_dtype: str | None
+    status: str
+    error: str | None
+    is_baseline: bool
+    steps: list[int]  # every logged step of this job (deduplicated)
+    losses: list[float]  # loss at each of `steps`
+    steps_compared: int  # steps this job shares with the baseline
+    baseline_steps: int
+    mean_loss: float | None  # over the compared steps
+    baseline_mean_loss: float | None  # the baseline's mean over the same steps
+    mean_diff: float | None  # |mean_loss - baseline_mean_loss|
+    max_step_diff: float | None
+    max_step_diff_step: int | None
+    step_diffs: list[float]  # |loss - baseline loss| per compared step
+    compared_steps: list[int]
+    tolerance_step: float | None  # the per-step bound applied to this job; None = not checked
+    step_check: str  # "checked", "n/a (bf16)" or "off"
+    tokens_per_s_mean: float | None
+    peak_mem_mb_max: float | None
+    reasons: list[str] = field(default_factory=list)  # why it failed; empty when it passed
+
+    @property
+    def passed(self) -> bool:
+        return not self.reasons
+
+    @property
+    def verdict(self) -> str:
+        if self.is_baseline:
+            return "baseline" if self.passed else "FAIL (baseline)"
+        return "PASS" if self.passed else "FAIL"
+
+
+@dataclass
+class ParityResult:
+    """The whole comparison; `passed` decides the sweep's exit code."""
+
+    baseline: str  # the baseline job's label
+    baseline_name: str
+    tolerance_mean: float
+    tolerance_step: float | None  # the fp32 per-step bound; None when the check is off
+    tolerance_step_mode: str  # "auto" (skipped for bf16 jobs), "explicit" or "off"
+    rows: list[JobRow]
+    outputs: dict[str, Path] = field(default_factory=dict)  # "md"/"json"/"png" -> written file
+
+    @property
+    def passed(self) -> bool:
+        return all(r.passed for r in self.rows)
+
+    @property
+    def failed_rows(self) -> list[JobRow]:
+        return [r for r in self.rows if not r.passed]
+
+    @property
+    def summary(self) -> str:
+        n = len(self.rows)
+        if self.passed:
+            return f"PASS: all {n} jobs within tolerance"
+        k = len(self.failed_rows)
+        names = ", ".join(r.label for r in self.failed_rows)
+        return f"FAIL: {k} of {n} jobs failed or outside tolerance ({names})"
+
+
+def select_baseline(records: list[RunRecord], baseline: str | None) -> RunRecord:
+    """The named job, else the 1-process job, else the first job."""
+    if baseline is not None:
+        for attr in ("name", "label"):
+            hits = [r for r in records if getattr(r, attr) == baseline]
+            if len(hits) == 1:
+                return hits[0]
+        # Let a user say "single" or "parallel=single" instead of the exact label.
+        hits = [r for r in records if r.parallel == baseline or baseline in r.overrides]
+        if len(hits) == 1:
+            return hits[0]
+        known = ", ".join(f"{r.name} ({r.label})" for r in records)
+        what = "matches more than one job" if hits else "matches no job"
+        raise ParityInputError(f"baseline {baseline!r} {what}", hint=f"jobs: {known}")
+    for r in records:
+        if r.parallel == "single" or r.world_size == 1:
+            return r
+    return records[0]
+
+
+def resolve_step_tolerance(tolerance_step: StepTolerance) -> tuple[float | None, str]:
+    """(fp32 per-step bound, mode) from the user's setting."""
+    if isinstance(tolerance_step, str):
+        if tolerance_step != "auto":
+            raise ParityInputError(
+                f"tolerance_step must be a number, None or 'auto', not {tolerance_step!r}"
+            )
+        return DEFAULT_TOLERANCE_STEP, "auto"
+    if tolerance_step is None:
+        return None, "off"
+    _check_tolerance("tolerance_step", tolerance_step)
+    return float(tolerance_step), "explicit"
+
+
+def _check_tolerance(name: str, value: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0 <= value < math.inf):
+        raise ParityInputError(f"{name} must be a finite number >= 0, not {value!r}")
+
+
+def _mean(values: list[float]) -> float:
+    return math.fsum(values) / len(values)
+
+
+def _metric(record: RunRecord, key: str, reduce: str) -> float | None:
+    values = [v for rec in record.metrics.values() if isinstance(v := rec.get(key), (int, float))]
+    if not values:
+        return None
+    return float(max(values) if reduce == "max" else _mean(values))
+
+
+def compare_runs(
+    records: list[RunRecord],
+    *,
+    baseline: str | None = None,
+    tolerance_mean: float = DEFAULT_TOLERANCE_MEAN,
+    tolerance_step: StepTolerance = "auto",
+) -> ParityResult:
+    """Compare every record with the baseline record."""
+    if not records:
+        raise ParityInputError("no runs to compare")
+    _check_tolerance("tolerance_mean", tolerance_mean)
+    step_bound, mode = resolve_step_tolerance(tolerance_step)
+    base = select_baseline(records, baseline)
+    base_losses = base.losses
+    rows = [
+        _compare_one(r, base, base_losses, float(tolerance_mean), step_bound, mode) for r in records
+    ]
+    return ParityResult(
+        baseline=base.label,
+        baseline_name=base.name,
+        tolerance_mean=float(tolerance_mean),
+        tolerance_step=step_bound,
+        tolerance_step_mode=mode,
+        rows=rows,
+    )
+
+
+def _compare_one(
+    run: RunRecord,
+    base: RunRecord,
+    base_losses: dict[int, float],
+    tol_mean: float,
+    step_bound: float | None,
+    mode: str,
+) -> JobRow:
+    losses = run.losses
+    is_baseline = run is base
+    common = [s for s in losses if s in base_losses]
+    reasons: list[str] = []
+    if run.failed:
+        reasons.append(f"job failed: {run.error}")
+
+    bf16 = BF16 in (run.param_dtype, base.param_dtype)
+    if mode == "auto" and bf16:
+        row_bound, step_check = None, "n/a (bf16)"
+    elif step_bound is None:
+        row_bound, step_check = None, "off"
+    else:
+        row_bound, step_check = step_bound, "checked"
+
+    bad = next((s for s, v in losses.items() if not math.isfinite(v)), None)
+    if bad is not None:
+        reasons.append(f"non-finite loss ({losses[bad]}) at step {bad}")
+
+    mean_loss = base_mean = mean_diff = max_diff = None
+    max_step: int | None = None
+    diffs: list[float] = []
+    if common:
+        mean_loss = _mean([losses[s] for s in common])
+        base_mean = _mean([base_losses[s] for s in common])
+        mean_diff = abs(mean_loss - base_mean)
+        diffs = [abs(losses[s] - base_losses[s]) for s in common]
+        # NaN never compares greater, so pick the worst step by hand: a NaN diff is the worst.
+        worst = max(range(len(diffs)), key=lambda i: math.inf if math.isnan(diffs[i]) else diffs[i])
+        max_diff, max_step = diffs[worst], common[worst]
+
+    if not is_baseline:
+        if not common:
+            reasons.append("no steps in common with the baseline")
+        else:
+            # `not (x <= tol)` so that a NaN difference fails instead of slipping through.
+            if not (mean_diff <= tol_mean):
+                reasons.append(f"|Δmean| {mean_diff:.3e} > {tol_mean:.1e}")
+            if row_bound is not None and not (max_diff <= row_bound):
+                reasons.append(f"max |Δstep| {max_diff:.3e} at step {max_step} > {row_bound:.1e}")
+    elif not losses and not run.failed:
+        reasons.append("the baseline logged no steps")
+
+    return JobRow(
+        name=run.name,
+        label=run.label,
+        path=str(run.path),
+        parallel=run.parallel,
+        world_size=run.world_size,
+        param_dtype=run.param_dtype,
+        status=run.status,
+        error=run.error,
+        is_baseline=is_baseline,
+        steps=list(losses),
+        losses=list(losses.values()),
+        steps_compared=len(common),
+        baseline_steps=len(base_losses),
+        mean_loss=mean_loss,
+        baseline_mean_loss=base_mean,
+        mean_diff=mean_diff,
+        max_step_diff=max_diff,
+        max_step_diff_step=max_step,
+        step_diffs=diffs,
+        compared_steps=common,
+        tolerance_step=row_bound,
+        step_check=step_check,
+        tokens_per_s_mean=_metric(run, "tokens_per_s", "mean"),
+        peak_mem_mb_max=_metric(run, "peak_mem_mb", "max"),
+        reasons=reasons,
+    )

@@ -1,0 +1,92 @@
+"""The driver's plan: validate the layout against the model and batch, estimate memory per rank.
+
+Everything here runs before any worker starts, on the meta device, so an impossible plan costs a
+fraction of a second instead of a cluster allocation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from omegaconf import DictConfig
+
+from hyperpar.config import dtype_of
+from hyperpar.distributed.parallel_dims import ParallelDims
+from hyperpar.errors import PlanError
+
+
+@dataclass
+class Plan:
+    pdims: ParallelDims
+    model_desc: str
+    total_params: int
+    largest_block_params: int
+    params_per_rank: float
+    mem_params_mb: float
+    mem_grads_mb: float
+    mem_optim_mb: float
+    mem_gathered_mb: float
+    grad_accum: int
+    problems: list[str]
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def render(self) -> str:
+        p = self.pdims
+        axes = ", ".join(f"{a}={s}" for a, s in p.sizes().items())
+        total_mem = self.mem_params_mb + self.mem_grads_mb + self.mem_optim_mb + self.mem_gathered_mb
+        lines = [
+            f"layout      {p.describe()}",
+            f"mesh        {axes}  (ep={p.ep}, vpp={p.vpp}); flattened: dp={p.dp}, dp_shard_cp={p.fsdp_size}",
+            f"model       {self.model_desc}: {self.total_params / 1e6:.3f} M parameters",
+            f"per rank    {self.params_per_rank / 1e6:.3f} M parameters (sharded over dp_shard x cp = {p.fsdp_size})",
+            f"memory/rank params {self.mem_params_mb:.1f} MB + grads {self.mem_grads_mb:.1f} MB + optimizer {self.mem_optim_mb:.1f} MB"
+            f" + gathered block {self.mem_gathered_mb:.1f} MB = {total_mem:.1f} MB (activations not included)",
+            f"batch       grad accumulation {self.grad_accum} micro-batches per step",
+        ]
+        if self.ok:
+            lines.append("verdict     OK: the plan is valid")
+        else:
+            lines.append("verdict     REJECTED: " + "; ".join(self.problems))
+        return "\n".join(lines)
+
+
+def make_plan(cfg: DictConfig, *, strict: bool = True) -> Plan:
+    """Build the plan; with ``strict`` raise the first problem as a PlanError."""
+    from hyperpar.config import build as instantiate
+
+    pdims: ParallelDims = instantiate(cfg.parallel)
+    builder = instantiate(cfg.model)
+    t = cfg.train
+    problems: list[str] = []
+    for check in (pdims.check_supported,
+                  lambda: pdims.check_model(builder.geometry(), seq_len=t.seq_len, global_batch_size=t.global_batch_size,
+                                            micro_batch_size=t.micro_batch_size)):
+        try:
+            check()
+        except PlanError as e:
+            if strict:
+                raise
+            problems.append(str(e))
+    if t.steps < 1:
+        problems.append(f"train.steps={t.steps} must be >= 1")
+    if strict and problems:
+        raise PlanError(problems[0])
+
+    meta = builder.build_meta()
+    total = sum(p.numel() for p in meta.parameters())
+    layers = getattr(getattr(meta, "model", meta), "layers", None)
+    largest = max((sum(p.numel() for p in blk.parameters()) for blk in layers.values()), default=0) if layers is not None else 0
+    shard = pdims.fsdp_size * pdims.tp * pdims.pp
+    per_rank = total / shard
+    master = 4  # FSDP keeps sharded fp32 master weights, fp32 grads and fp32 AdamW moments
+    compute = dtype_of(t.mixed_precision.param_dtype).itemsize
+    mb = 2**20
+    return Plan(
+        pdims=pdims, model_desc=builder.describe(), total_params=total, largest_block_params=largest,
+        params_per_rank=per_rank, mem_params_mb=per_rank * master / mb, mem_grads_mb=per_rank * master / mb,
+        mem_optim_mb=2 * per_rank * master / mb, mem_gathered_mb=2 * largest * compute / mb,
+        grad_accum=max(1, t.global_batch_size // max(1, t.micro_batch_size * pdims.dp)), problems=problems,
+    )

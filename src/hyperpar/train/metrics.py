@@ -1,0 +1,82 @@
+"""Per-step metrics: metrics.jsonl (rank 0, flushed every step so a crash loses nothing), a tqdm bar,
+optional TensorBoard, and per-rank log files."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("hyperpar")
+
+
+def setup_rank_logging(run_dir: str | Path, rank: int, *, console: bool) -> None:
+    """logs/rank_<r>.log for every rank; the console only for rank 0 (other ranks stay quiet)."""
+    logs = Path(run_dir) / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    root = logging.getLogger("hyperpar")
+    root.setLevel(logging.INFO)
+    root.propagate = False
+    for h in list(root.handlers):
+        root.removeHandler(h)
+        h.close()
+    fmt = logging.Formatter(f"%(asctime)s [rank{rank}] %(levelname)s %(message)s", "%H:%M:%S")
+    fh = logging.FileHandler(logs / f"rank_{rank}.log", mode="a")
+    fh.setFormatter(fmt)
+    root.addHandler(fh)
+    if console:
+        ch = logging.StreamHandler(sys.stderr)
+        ch.setFormatter(logging.Formatter("[hyperpar] %(message)s"))
+        root.addHandler(ch)
+
+
+class MetricsWriter:
+    def __init__(self, run_dir: str | Path, *, rank: int, total_steps: int, start_step: int = 0,
+                 progress_bar: bool = True, tensorboard: bool = False) -> None:
+        self.rank = rank
+        self.active = rank == 0
+        self.run_dir = Path(run_dir)
+        self._file = None
+        self._bar = None
+        self._tb = None
+        if not self.active:
+            return
+        self._file = open(self.run_dir / "metrics.jsonl", "a", buffering=1)
+        if progress_bar:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True,
+                             file=sys.stderr, disable=os.environ.get("HYPERPAR_NO_BAR") == "1")
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(str(self.run_dir / "tb"))
+
+    def write(self, record: dict[str, Any]) -> None:
+        if not self.active:
+            return
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        if self._tb is not None:
+            for k, v in record.items():
+                if k != "step" and isinstance(v, (int, float)) and math.isfinite(v):
+                    self._tb.add_scalar(f"train/{k}", v, record["step"])
+        if self._bar is not None:
+            self._bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}", refresh=False)
+            self._bar.update(1)
+        else:
+            log.info("step %d loss %.6f grad_norm %.4f lr %.3g tok/s %.0f", record["step"], record["loss"],
+                     record["grad_norm"], record["lr"], record["tokens_per_s"])
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        if self._tb is not None:
+            self._tb.close()
+        if self._file is not None:
+            self._file.close()

@@ -1,0 +1,132 @@
+"""Trainer: the optimizer-step loop (gradient accumulation, global token-mean loss, clipping, metrics)."""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hyperpar.errors import TrainingError
+from hyperpar.train.loss import count_valid_tokens, token_loss_sum
+from hyperpar.train.metrics import MetricsWriter
+from hyperpar.train.optim import clip_grad_norm
+
+log = logging.getLogger("hyperpar")
+
+
+def _model_inputs(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items() if k != "labels"}
+
+
+class Trainer:
+    def __init__(
+        self,
+        *,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: torch.optim.lr_scheduler.LRScheduler,
+        loader,
+        parallel_dims,
+        device_info,
+        device: torch.device,
+        run_dir: str,
+        steps: int,
+        max_grad_norm: float,
+        flops_per_token: float,
+        peak_flops: float,
+        rank: int,
+        metrics: MetricsWriter | None = None,
+        checkpointer: Any = None,
+    ) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.loader = loader
+        self.pdims = parallel_dims
+        self.device_info = device_info
+        self.device = device
+        self.run_dir = run_dir
+        self.steps = steps
+        self.max_grad_norm = max_grad_norm
+        self.flops_per_token = flops_per_token
+        self.peak_flops = peak_flops
+        self.rank = rank
+        self.metrics = metrics
+        self.checkpointer = checkpointer
+        self.step = 0  # optimizer steps done
+        self.tokens_seen = 0
+        self.loss_group = parallel_dims.mesh["dp_cp"].get_group()
+        self.history: list[float] = []
+
+    def _sum_over_dp(self, value: torch.Tensor) -> torch.Tensor:
+        if dist.get_world_size(self.loss_group) > 1:
+            dist.all_reduce(value, group=self.loss_group)
+        return value
+
+    def train_step(self) -> dict[str, float]:
+        t0 = time.perf_counter()
+        self.device_info.reset_peak_memory()
+        micro_batches = self.loader.next_step()
+        local_tokens = sum(count_valid_tokens(mb["labels"]) for mb in micro_batches).to(torch.float32)
+        global_tokens = self._sum_over_dp(local_tokens.clone().to(self.device))
+        if global_tokens.item() == 0:
+            raise TrainingError(f"step {self.step + 1}: the global batch has no token with a label", hint="check the data's loss masking")
+        loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
+        n = len(micro_batches)
+        for i, mb in enumerate(micro_batches):
+            if hasattr(self.model, "set_requires_gradient_sync"):
+                # Reduce gradients once per optimizer step, after the last micro-batch.
+                self.model.set_requires_gradient_sync(i == n - 1)
+            logits = self.model(**_model_inputs(mb, self.device))
+            mb_loss = token_loss_sum(logits, mb["labels"].to(self.device))
+            (mb_loss / global_tokens).backward()
+            loss_sum += mb_loss.detach()
+        grad_norm = clip_grad_norm(self.model.parameters(), self.max_grad_norm)
+        loss = (self._sum_over_dp(loss_sum) / global_tokens).item()
+        if not math.isfinite(loss) or not math.isfinite(grad_norm.item()):
+            raise TrainingError(
+                f"non-finite loss at step {self.step + 1}: loss={loss}, grad_norm={grad_norm.item()}",
+                hint="lower optim.lr, enable clipping (train.max_grad_norm) or use float32",
+            )
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.device_info.synchronize()
+        dt = time.perf_counter() - t0
+        self.step += 1
+        tokens = int(global_tokens.item())
+        self.tokens_seen += tokens
+        tps = tokens / dt
+        world = self.pdims.world_size
+        mfu = self.flops_per_token * tps / (self.peak_flops * world) if self.peak_flops else 0.0
+        return {
+            "step": self.step,
+            "loss": loss,
+            "grad_norm": float(grad_norm.item()),
+            "lr": float(lr),
+            "tokens": tokens,
+            "tokens_seen": self.tokens_seen,
+            "tokens_per_s": tps,
+            "step_time_s": dt,
+            "peak_mem_mb": self.device_info.peak_memory_mb(),
+            "mfu": mfu,
+        }
+
+    def fit(self) -> dict[str, Any]:
+        log.info("training for %d steps (starting at step %d)", self.steps, self.step)
+        while self.step < self.steps:
+            record = self.train_step()
+            self.history.append(record["loss"])
+            if self.metrics is not None:
+                self.metrics.write(record)
+            if self.checkpointer is not None:
+                self.checkpointer.after_step(self)
+        if self.checkpointer is not None:
+            self.checkpointer.at_end(self)
+        return {"steps": self.step, "final_loss": self.history[-1] if self.history else None, "losses": self.history}

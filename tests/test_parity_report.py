@@ -1,0 +1,228 @@
+"""Parity report from synthetic run dirs: no training, no processes except the CLI checks."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from hyperpar.parity import build_report, compare_runs, find_run_dirs, read_runs
+from hyperpar.parity.callback import ParityCallback, step_tolerance
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+LOSSES = [2.5, 2.25, 2.0, 1.875, 1.75]
+
+
+def make_run(
+    root: Path,
+    num: int,
+    parallel: str,
+    losses: list[float] = LOSSES,
+    *,
+    world_size: int = 2,
+    dtype: str = "float32",
+    status: str = "completed",
+    error: str | None = None,
+    write_result: bool = True,
+    steps: list[int] | None = None,
+) -> Path:
+    """A job dir as the trainer leaves it inside a sweep dir."""
+    run = root / str(num)
+    (run / ".hydra").mkdir(parents=True)
+    overrides = [f"parallel={parallel}", "+experiment=parity"]
+    (run / ".hydra" / "overrides.yaml").write_text("".join(f"- {o}\n" for o in overrides))
+    steps = steps or list(range(1, len(losses) + 1))
+    with (run / "metrics.jsonl").open("w") as f:
+        for step, loss in zip(steps, losses):
+            rec = {"step": step, "loss": loss, "grad_norm": 1.0, "lr": 1e-3, "tokens": 64,
+                   "tokens_per_s": 1000.0, "step_time_s": 0.064, "peak_mem_mb": 10.0, "mfu": 0.0}
+            f.write(json.dumps(rec) + "\n")
+    if write_result:
+        result = {"status": status, "error": error, "job_name": "hyperpar", "overrides": overrides,
+                  "parallel": parallel, "world_size": 1 if parallel == "single" else world_size,
+                  "param_dtype": dtype, "steps": len(losses), "seed": 0}
+        (run / "result.json").write_text(json.dumps(result))
+    return run
+
+
+def with_offset(step: int, delta: float) -> list[float]:
+    return [v + delta if i + 1 == step else v for i, v in enumerate(LOSSES)]
+
+
+def compare(sweep: Path, **kwargs):
+    return compare_runs(read_runs(find_run_dirs([sweep])), **kwargs)
+
+
+def row(result, parallel: str):
+    return next(r for r in result.rows if r.parallel == parallel)
+
+
+def test_equal_runs_pass_and_write_all_files(tmp_path: Path) -> None:
+    for i, p in enumerate(["single", "ddp2", "fsdp2"]):
+        make_run(tmp_path, i, p)
+    result = build_report(find_run_dirs([tmp_path]), tmp_path)
+
+    assert result.passed
+    assert [r.verdict for r in result.rows] == ["baseline", "PASS", "PASS"]
+    assert row(result, "fsdp2").max_step_diff == 0.0
+    md = (tmp_path / "parity.md").read_text()
+    assert "| parallel=fsdp2 | fsdp2 | 2 | float32 | 5/5 |" in md
+    assert md.rstrip().endswith("PASS: all 3 jobs within tolerance")
+    data = json.loads((tmp_path / "parity.json").read_text())
+    assert data["passed"] is True and data["baseline"] == "parallel=single"
+    assert data["jobs"][1]["losses"] == LOSSES and data["jobs"][1]["steps"] == [1, 2, 3, 4, 5]
+    png = tmp_path / "parity.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+def test_one_step_off_fails_per_step_check_but_not_mean(tmp_path: Path) -> None:
+    make_run(tmp_path, 0, "single")
+    make_run(tmp_path, 1, "fsdp2", with_offset(3, 2e-5))
+    result = compare(tmp_path)
+
+    fsdp = row(result, "fsdp2")
+    assert not result.passed and fsdp.verdict == "FAIL"
+    assert fsdp.mean_diff == pytest.approx(4e-6) and fsdp.mean_diff <= result.tolerance_mean
+    assert fsdp.max_step_diff == pytest.approx(2e-5) and fsdp.max_step_diff_step == 3
+    assert len(fsdp.reasons) == 1 and "step 3" in fsdp.reasons[0]
+    # The same run passes once the user turns the per-step check off.
+    assert compare(tmp_path, tolerance_step=None).passed
+
+
+def test_bf16_skips_per_step_check_unless_set_explicitly(tmp_path: Path) -> None:
+    make_run(tmp_path, 0, "single", dtype="bfloat16")
+    make_run(tmp_path, 1, "fsdp2", with_offset(3, 2e-3), dtype="bfloat16")
+    result = build_report(find_run_dirs([tmp_path]), tmp_path)
+
+    assert result.passed
+    assert row(result, "fsdp2").step_check == "n/a (bf16)"
+    assert "n/a (bf16)" in (tmp_path / "parity.md").read_text()
+    assert not compare(tmp_path, tolerance_step=1e-5).passed
+    # The bf16 contract still bounds the mean.
+    make_run(tmp_path, 2, "ddp2", [v + 1e-2 for v in LOSSES], dtype="bfloat16")
+    assert row(compare(tmp_path), "ddp2").verdict == "FAIL"
+
+
+def test_failed_job_fails_report_and_shows_its_error(tmp_path: Path) -> None:
+    make_run(tmp_path, 0, "single")
+    make_run(tmp_path, 1, "fsdp2", LOSSES[:2], status="failed",
+             error="RuntimeError: CUDA out of memory | rank 1")
+    result = build_report(find_run_dirs([tmp_path]), tmp_path)
+
+    assert not result.passed
+    assert row(result, "fsdp2").steps_compared == 2
+    md = (tmp_path / "parity.md").read_text()
+    assert "job failed: RuntimeError: CUDA out of memory | rank 1" in md
+    assert md.rstrip().endswith("FAIL: 1 of 2 jobs failed or outside tolerance (parallel=fsdp2)")
+    job = json.loads((tmp_path / "parity.json").read_text())["jobs"][1]
+    assert job["status"] == "failed" and job["verdict"] == "FAIL" and "out of memory" in job["error"]
+
+
+def test_missing_result_json_is_a_failed_job_labelled_from_overrides(tmp_path: Path) -> None:
+    make_run(tmp_path, 0, "single")
+    make_run(tmp_path, 1, "hsdp2x2", write_result=False)
+    result = compare(tmp_path)
+
+    hsdp = next(r for r in result.rows if r.name == "1")
+    assert hsdp.label == "parallel=hsdp2x2" and hsdp.parallel == "hsdp2x2"
+    assert hsdp.status == "failed" and hsdp.error == "no result.json" and not result.passed
+
+
+def test_resumed_run_keeps_last_occurrence_of_each_step(tmp_path: Path) -> None:
+    make_run(tmp_path, 0, "single")
+    # Steps 3-4 logged twice: the first attempt diverged, the resumed attempt is the real one.
+    make_run(tmp_path, 1, "ddp2", [2.5, 2.25, 9.0, 9.0, 2.0, 1.875, 1.75], steps=[1, 2, 3, 4, 3, 4, 5])
+    result = compare(tmp_path)
+
+    ddp = row(result, "ddp2")
+    assert ddp.steps == [1, 2, 3, 4, 5] and ddp.losses == LOSSES
+    assert result.passed
+
+
+def test_non_finite_loss_fails_and_json_stays_strict(tmp_path: Path) -> None:
+    make_run(tmp_path, 0, "single")
+    make_run(tmp_path, 1, "ddp2", with_offset(2, math.nan))
+    result = build_report(find_run_dirs([tmp_path]), tmp_path)
+
+    assert not result.passed and "non-finite loss (nan) at step 2" in row(result, "ddp2").reasons
+    data = json.loads((tmp_path / "parity.json").read_text(), parse_constant=pytest.fail)
+    assert data["jobs"][1]["losses"][1] is None
+
+
+def test_baseline_defaults_to_single_process_job_and_can_be_named(tmp_path: Path) -> None:
+    make_run(tmp_path, 0, "fsdp2")
+    make_run(tmp_path, 1, "single", with_offset(1, 1.0))
+    assert compare(tmp_path).baseline == "parallel=single"
+    named = compare(tmp_path, baseline="fsdp2")
+    assert named.baseline_name == "0" and row(named, "single").verdict == "FAIL"
+
+
+def run_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(SRC)}
+    return subprocess.run([sys.executable, "-m", "hyperpar.parity", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_cli_exit_codes(tmp_path: Path) -> None:
+    good, bad, empty = tmp_path / "good", tmp_path / "bad", tmp_path / "empty"
+    make_run(good, 0, "single")
+    make_run(good, 1, "ddp2")
+    make_run(bad, 0, "single")
+    make_run(bad, 1, "ddp2", with_offset(2, 2e-5))
+    empty.mkdir()
+
+    ok = run_cli(str(good), cwd=tmp_path)
+    assert ok.returncode == 0, ok.stderr
+    assert "PASS: all 2 jobs within tolerance" in ok.stdout and (good / "parity.md").is_file()
+
+    # Explicit run dirs: the report goes to --out (else the current dir).
+    fail = run_cli(str(bad / "0"), str(bad / "1"), "--out", str(tmp_path / "rep"), cwd=tmp_path)
+    assert fail.returncode == 1 and "FAIL: 1 of 2" in fail.stdout
+    assert (tmp_path / "rep" / "parity.json").is_file()
+    assert run_cli(str(bad), "--tolerance-step", "none", cwd=tmp_path).returncode == 0
+
+    missing = run_cli(str(empty), cwd=tmp_path)
+    assert missing.returncode == 2 and "no run dirs found" in missing.stderr
+    assert "Traceback" not in missing.stderr and len(missing.stderr.strip().splitlines()) == 1
+
+
+def sweep_config(sweep: Path, **parity) -> object:
+    return OmegaConf.create({"hydra": {"sweep": {"dir": str(sweep)}}, "parity": parity})
+
+
+def test_callback_writes_report_and_exits_1_on_failure(tmp_path: Path, capsys, monkeypatch) -> None:
+    monkeypatch.delenv("RANK", raising=False)
+    make_run(tmp_path, 0, "single")
+    make_run(tmp_path, 1, "fsdp2", with_offset(4, 2e-5))
+    cfg = sweep_config(tmp_path, tolerance_mean=5e-3, tolerance_step=None, baseline=None)
+
+    with pytest.raises(SystemExit) as exc:
+        ParityCallback(tolerance_mean=5e-3, tolerance_step=None, baseline=None).on_multirun_end(cfg)
+    assert exc.value.code == 1
+    out = capsys.readouterr().out
+    assert str(tmp_path / "parity.md") in out and "FAIL: 1 of 2" in out
+    assert (tmp_path / "parity.png").stat().st_size > 0
+
+    # Settings left null on the callback fall back to the config's parity node.
+    ParityCallback().on_multirun_end(sweep_config(tmp_path, tolerance_step="off"))
+    ParityCallback().on_multirun_end(sweep_config(tmp_path, enabled=False))  # report turned off
+    monkeypatch.setenv("RANK", "1")
+    ParityCallback().on_multirun_end(cfg)  # not rank 0: no report, no exit
+
+
+def test_callback_exits_2_when_the_sweep_dir_has_no_jobs(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit) as exc:
+        ParityCallback().on_multirun_end(sweep_config(tmp_path))
+    assert exc.value.code == 2
+
+
+def test_step_tolerance_setting() -> None:
+    assert step_tolerance(None) == "auto" and step_tolerance("auto") == "auto"
+    assert step_tolerance("off") is None and step_tolerance(False) is None
+    assert step_tolerance(1e-4) == 1e-4 and step_tolerance("2e-5") == 2e-5
