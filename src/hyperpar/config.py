@@ -26,7 +26,7 @@ class TrainConfig:
     steps: int = 20
     seed: int = 1234
     global_batch_size: int = 8
-    micro_batch_size: int = 4
+    micro_batch_size: int = 2
     seq_len: int = 128
     max_grad_norm: float = 1.0  # <= 0 disables clipping
     mixed_precision: MixedPrecisionConfig = field(default_factory=MixedPrecisionConfig)
@@ -81,7 +81,7 @@ class DataConfig:
 class OptimConfig:
     _target_: str = "hyperpar.train.optim.build_optimizer"
     name: str = "adamw"
-    lr: float = 3e-3
+    lr: float = 1e-3
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95

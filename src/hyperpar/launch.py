@@ -100,23 +100,23 @@ def worker_main(cfg: DictConfig, run_dir: str) -> dict[str, Any]:
         model = builder.spec.parallelize(model, pdims, cfg)
         materialize(model, device, seed=cfg.train.seed, source=builder.weight_source())
         model.train()
-        optimizer, scheduler = instantiate(cfg.optim, model=model, total_steps=cfg.train.steps)
+        optimizer, scheduler = instantiate(cfg.optim, _partial_=True)(model=model, total_steps=cfg.train.steps)
         t = cfg.train
         ctx = DataContext(seq_len=t.seq_len, seed=t.seed, num_samples=t.steps * t.global_batch_size,
                           vocab_size=builder.args.vocab_size if hasattr(builder.args, "vocab_size") else builder.args.text.vocab_size,
                           model_args=builder.args, default_type=builder.spec.default_data, run_dir=run_dir)
-        dataset = instantiate(cfg.data, context=ctx, _convert_="all")
+        dataset = instantiate(cfg.data, _partial_=True, _convert_="all")(context=ctx)
         dp_mesh = pdims.mesh["dp"]
         loader = DistributedBatchLoader(dataset, global_batch_size=t.global_batch_size, micro_batch_size=t.micro_batch_size,
                                         dp_rank=dp_mesh.get_local_rank(), dp_size=dp_mesh.size())
         metrics = MetricsWriter(run_dir, rank=rank, total_steps=t.steps, progress_bar=cfg.metrics.progress_bar,
                                 tensorboard=cfg.metrics.tensorboard)
         seq_flops = model.flops_per_token(t.seq_len)
-        trainer = instantiate(
-            cfg.trainer, model=model, optimizer=optimizer, scheduler=scheduler, loader=loader, parallel_dims=pdims,
+        trainer = instantiate(cfg.trainer, _partial_=True)(
+            model=model, optimizer=optimizer, scheduler=scheduler, loader=loader, parallel_dims=pdims,
             device_info=dev, device=device, run_dir=run_dir, steps=t.steps, max_grad_norm=t.max_grad_norm,
             flops_per_token=seq_flops, peak_flops=dev.peak_flops(torch.float32 if t.mixed_precision.param_dtype == "float32" else torch.bfloat16),
-            rank=rank, metrics=metrics, _recursive_=False,
+            rank=rank, metrics=metrics,
         )
         try:
             result = trainer.fit()

@@ -11,7 +11,7 @@ from typing import Iterable
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 
 def mixed_precision_policy(param_dtype: torch.dtype, reduce_dtype: torch.dtype) -> MixedPrecisionPolicy:
@@ -36,5 +36,9 @@ def apply_fsdp(
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
     # Loss is a sum over the global batch divided by the global token count (see train/loss.py), so
     # gradients must be summed over data-parallel ranks, not averaged.
-    model.set_gradient_divide_factor(1.0)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):  # the setting is per FSDP unit
+            module.set_gradient_divide_factor(1.0)
+            # Gloo (CPU) has no PREMUL_SUM; plain SUM is also exact for a divide factor of 1.
+            module.set_force_sum_reduction_for_comms(True)
     return model

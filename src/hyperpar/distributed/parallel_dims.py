@@ -141,6 +141,11 @@ class ParallelDims:
 
     def fsdp_mesh(self):
         """2-D (replicate, shard) mesh: one FSDP code path covers single, DDP, FSDP and HSDP."""
-        mesh = self.mesh
-        mesh["dp_shard_cp"]  # ensure the flattened view exists
-        return mesh["dp_replicate", "dp_shard_cp"]
+        if self.cp == 1:
+            return self.mesh["dp_replicate", "dp_shard"]
+        import warnings
+
+        with warnings.catch_warnings():
+            # torch warns that slicing flattened dims will change; the view itself is what FSDP needs.
+            warnings.simplefilter("ignore", UserWarning)
+            return self.mesh["dp_replicate", "dp_shard_cp"]

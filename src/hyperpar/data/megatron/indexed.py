@@ -103,9 +103,9 @@ class IndexedDataset:
         bin_size = os.path.getsize(bin_path)
         self._validate_arrays(s, bin_size, idx_path, bin_path)
         # One flat token view over the whole .bin: a sequence is then a plain slice (no copy).
-        self._tokens = np.frombuffer(_map_file(bin_path), dtype=self.dtype.newbyteorder("<"),
+        self.tokens = np.frombuffer(_map_file(bin_path), dtype=self.dtype.newbyteorder("<"),
                                      count=bin_size // self.dtype.itemsize)
-        self._token_offsets = self.sequence_pointers // self.dtype.itemsize
+        self.token_offsets = self.sequence_pointers // self.dtype.itemsize
 
     @staticmethod
     def _parse_header(idx: Any, idx_path: str) -> tuple[int, int, int]:
@@ -184,8 +184,8 @@ class IndexedDataset:
             length = size - offset
         if offset < 0 or length < 0 or offset + length > size:
             raise IndexError(f"tokens [{offset}, {offset + length}) out of range for a sequence of {size}")
-        start = int(self._token_offsets[i]) + offset
-        return self._tokens[start:start + length]
+        start = int(self.token_offsets[i]) + offset
+        return self.tokens[start:start + length]
 
     @property
     def document_count(self) -> int:
@@ -272,7 +272,11 @@ class IndexedDatasetBuilder:
         self.document_indices.append(len(self.sequence_lengths))
 
     def add_index(self, path_prefix: str) -> None:
-        """Append every sequence and document of another corpus of the same dtype."""
+        """Append every sequence and document of another corpus of the same dtype.
+
+        As in megatron-core, sequences added since the last ``end_document()`` become part of the
+        merged corpus's first document.
+        """
         other = IndexedDataset(path_prefix, multimodal=self.multimodal)
         if other.dtype != self.dtype:
             raise DataError(f"{get_idx_path(path_prefix)}: dtype {other.dtype} cannot be merged into "

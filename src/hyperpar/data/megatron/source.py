@@ -1,0 +1,78 @@
+"""MegatronSource: a Megatron corpus or blend as a hyperpar sample source.
+
+Sample ``i`` is sample ``i`` of the dataset megatron-core would build for the same corpus, blend,
+sequence length, seed and sample count, turned into the trainer's shapes: ``input_ids``,
+``labels`` (already shifted, -100 where megatron's loss mask is 0) and ``position_ids``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from hyperpar.data.megatron.blend import BlendSpec, build_gpt_dataset, parse_blend
+from hyperpar.data.megatron.gpt import GPTDatasetConfig
+from hyperpar.errors import DataError
+
+IGNORE_INDEX = -100
+
+
+class MegatronSource:
+    """Either ``prefix`` (one corpus) or ``blend`` (``"0.3 /a 0.7 /b"`` or ``[{weight, prefix}]``).
+
+    ``split`` is megatron's ``--split`` string (e.g. ``"969, 30, 1"``) when the run being matched
+    used one; None takes every sequence. With ``reset_attention_mask`` each sample also carries
+    ``cu_seqlens`` (int32, document-part boundaries padded to ``seq_len + 1`` with ``seq_len``) and
+    ``max_seqlen``, because a dense L x L mask is too big to ship per sample.
+    """
+
+    def __init__(self, prefix: str | None = None, blend: BlendSpec | None = None, *, seq_len: int,
+                 num_samples: int | None, seed: int = 1234, eod_token_id: int | None = None,
+                 reset_position_ids: bool = False, reset_attention_mask: bool = False,
+                 eod_mask_loss: bool = False, cache_dir: str | None = None, split: str | None = None,
+                 index_split: str = "train") -> None:
+        if (prefix is None) == (blend is None):
+            raise DataError("give exactly one of data prefix or blend")
+        self.config = GPTDatasetConfig(
+            random_seed=seed, sequence_length=seq_len, split=split, path_to_cache=cache_dir,
+            reset_position_ids=reset_position_ids, reset_attention_mask=reset_attention_mask,
+            eod_mask_loss=eod_mask_loss, eod_token_id=eod_token_id)
+        spec = ([str(prefix)], None) if prefix is not None else parse_blend(blend)  # type: ignore[arg-type]
+        self.dataset = build_gpt_dataset(spec, num_samples, self.config, index_split)
+        total = len(self.dataset)
+        self._len = total if num_samples is None else min(num_samples, total)
+        if self._len == 0:
+            raise DataError(f"the Megatron data {prefix or blend} yields no sample of "
+                            f"{seq_len + 1} tokens", hint="use a shorter seq_len or more data")
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        i = int(index)
+        if i < 0:
+            i += self._len
+        if not 0 <= i < self._len:
+            raise IndexError(f"sample {index} out of range for {self._len} samples")
+        s = self.dataset.sample(i)
+        labels = np.where(s["loss_mask"] > 0, s["labels"], IGNORE_INDEX)
+        out: dict[str, Any] = {
+            "input_ids": torch.from_numpy(s["tokens"]),
+            "labels": torch.from_numpy(labels),
+            "position_ids": torch.from_numpy(s["position_ids"]),
+        }
+        if self.config.reset_attention_mask:
+            out.update(_cu_seqlens(s["tokens"], self.config.eod_token_id))
+        return out
+
+
+def _cu_seqlens(tokens: np.ndarray, eod: int | None) -> dict[str, torch.Tensor]:
+    length = tokens.shape[0]
+    cuts = np.flatnonzero(tokens == eod) + 1
+    bounds = np.concatenate(([0], cuts[cuts < length], [length]))
+    cu = np.full(length + 1, length, dtype=np.int32)
+    cu[:bounds.shape[0]] = bounds
+    return {"cu_seqlens": torch.from_numpy(cu),
+            "max_seqlen": torch.tensor(int(np.diff(bounds).max()), dtype=torch.int32)}
