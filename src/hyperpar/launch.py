@@ -106,7 +106,7 @@ def worker_main(cfg: DictConfig, run_dir: str) -> dict[str, Any]:
                           vocab_size=builder.args.vocab_size if hasattr(builder.args, "vocab_size") else builder.args.text.vocab_size,
                           model_args=builder.args, default_type=builder.spec.default_data, run_dir=run_dir)
         dataset = instantiate(cfg.data, _partial_=True, _convert_="all")(context=ctx)
-        dp_mesh = pdims.mesh["dp"]
+        dp_mesh = pdims.submesh("dp")
         loader = DistributedBatchLoader(dataset, global_batch_size=t.global_batch_size, micro_batch_size=t.micro_batch_size,
                                         dp_rank=dp_mesh.get_local_rank(), dp_size=dp_mesh.size())
         metrics = MetricsWriter(run_dir, rank=rank, total_steps=t.steps, progress_bar=cfg.metrics.progress_bar,

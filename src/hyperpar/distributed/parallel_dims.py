@@ -31,6 +31,7 @@ class ParallelDims:
     name: str = "custom"
     pp_schedule: str = "1F1B"
     _mesh: Any = field(default=None, repr=False, compare=False)
+    _flat: dict = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self._check_arithmetic()
@@ -127,11 +128,20 @@ class ParallelDims:
         from torch.distributed.device_mesh import init_device_mesh
 
         mesh = init_device_mesh(device_type, tuple(getattr(self, a) for a in AXES), mesh_dim_names=AXES)
-        mesh["dp_replicate", "dp_shard"]._flatten("dp")
-        mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
-        mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
+        # Keep the flattened views: torch wants callers to hold them rather than slice them from the root.
+        self._flat = {
+            "dp": mesh["dp_replicate", "dp_shard"]._flatten("dp"),
+            "dp_shard_cp": mesh["dp_shard", "cp"]._flatten("dp_shard_cp"),
+            "dp_cp": mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp"),
+        }
         self._mesh = mesh
         return mesh
+
+    def submesh(self, name: str):
+        """A named 1-D view: an axis of AXES or a flattened one (dp, dp_shard_cp, dp_cp)."""
+        if name in AXES:
+            return self.mesh[name]
+        return self._flat[name] if self._mesh is not None else self.mesh
 
     @property
     def mesh(self):

@@ -60,7 +60,7 @@ class Trainer:
         self.checkpointer = checkpointer
         self.step = 0  # optimizer steps done
         self.tokens_seen = 0
-        self.loss_group = parallel_dims.mesh["dp_cp"].get_group()
+        self.loss_group = parallel_dims.submesh("dp_cp").get_group()
         self.history: list[float] = []
 
     def _sum_over_dp(self, value: torch.Tensor) -> torch.Tensor:
