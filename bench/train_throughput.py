@@ -112,29 +112,35 @@ def main() -> None:
         opt_theirs.zero_grad(set_to_none=True)
         return loss.item()
 
-    def timed(fn: Callable[[], float]) -> tuple[float, float]:
-        t0 = time.perf_counter()
+    def timed(fn: Callable[[], float]) -> tuple[float, float, float]:
+        t0, c0 = time.perf_counter(), time.process_time()
         loss = fn()
-        return time.perf_counter() - t0, loss
+        return time.perf_counter() - t0, time.process_time() - c0, loss
 
+    # Wall time is what counts; process CPU time is printed too because it is far less sensitive
+    # to other jobs on a shared machine (with --threads 1 the two agree on a quiet machine).
     times: dict[str, list[float]] = {"ours": [], "transformers": []}
+    cpu: dict[str, list[float]] = {"ours": [], "transformers": []}
     first_loss: dict[str, float] = {}
     runs = [("ours", step_ours), ("transformers", step_theirs)]
     for i in range(a.warmup + a.steps):
         for name, fn in runs if i % 2 == 0 else runs[::-1]:
-            dt, loss = timed(fn)
+            dt, dc, loss = timed(fn)
             first_loss.setdefault(name, loss)
             if i >= a.warmup:
                 times[name].append(dt)
+                cpu[name].append(dc)
     tokens = a.batch * a.seq
     med = {k: statistics.median(v) for k, v in times.items()}
+    med_cpu = {k: statistics.median(v) for k, v in cpu.items()}
     print(f"first-step loss: ours {first_loss['ours']:.6f}  transformers {first_loss['transformers']:.6f}")
     for name in ("ours", "transformers"):
         print(
             f"{name:>12}: median step {med[name]:.3f} s  ({tokens / med[name]:.0f} tokens/s)  "
-            f"steps {' '.join(f'{t:.3f}' for t in times[name])}"
+            f"steps {' '.join(f'{t:.3f}' for t in times[name])}  | CPU time median {med_cpu[name]:.3f} s"
         )
     print(f"speed ratio ours/transformers (tokens/s): {med['transformers'] / med['ours']:.3f}x")
+    print(f"CPU-time ratio transformers/ours: {med_cpu['transformers'] / med_cpu['ours']:.3f}x")
     print(f"ours MFU-style rate: {ours.flops_per_token(a.seq) * tokens / med['ours'] / 1e9:.1f} GFLOP/s")
 
 

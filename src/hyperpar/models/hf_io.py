@@ -1,0 +1,258 @@
+"""Hugging Face model directories in and out: config.json + safetensors (single file or sharded).
+
+Reading is one tensor at a time through ``safe_open`` so a caller (every rank of a distributed
+load) touches only what it needs; ``from_hf`` builds the model on meta and fills it in place.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from hyperpar.errors import CheckpointError
+from hyperpar.models.spec import ModelSpec, registered_models, spec_for_hf_model_type
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+_SHARD_RE = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
+_ST_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}  # fmt: skip
+
+
+class MissingKeyError(CheckpointError, KeyError):
+    """A key the checkpoint does not hold; a KeyError too, so adapters can try another layout."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0])
+
+
+class HFCheckpoint:
+    """Read-only view of a Hugging Face model directory.
+
+    ``.config`` is config.json as a dict; ``keys()`` lists the tensor names; ``read(key)`` loads one
+    tensor (CPU, stored dtype). Open file handles are kept until ``close()`` / the ``with`` block ends.
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        if not self.path.exists():
+            raise CheckpointError(f"checkpoint path '{self.path}' does not exist")
+        if not self.path.is_dir():
+            raise CheckpointError(f"checkpoint path '{self.path}' is not a directory", hint="give the model directory")
+        cfg_file = self.path / "config.json"
+        if not cfg_file.is_file():
+            raise CheckpointError(
+                f"'{self.path}' has no config.json", hint="a Hugging Face model directory holds config.json + *.safetensors"
+            )
+        try:
+            self.config: dict[str, Any] = json.loads(cfg_file.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"'{cfg_file}' is not valid JSON: {e}") from None
+        self._weight_map = self._find_weights()
+        self._handles: dict[str, Any] = {}
+
+    def _find_weights(self) -> dict[str, str]:
+        index = self.path / INDEX_NAME
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise CheckpointError(f"'{index}' is not a valid safetensors index: {e}") from None
+            missing = sorted({f for f in weight_map.values() if not (self.path / f).is_file()})
+            if missing:
+                raise CheckpointError(f"'{self.path}': shard files listed in {INDEX_NAME} are missing: {', '.join(missing[:3])}")
+            return dict(weight_map)
+        files = [self.path / SINGLE_NAME] if (self.path / SINGLE_NAME).is_file() else sorted(self.path.glob("*.safetensors"))
+        if not files:
+            hint = "pytorch_model.bin is not supported; save with safetensors" if any(self.path.glob("*.bin")) else None
+            raise CheckpointError(f"'{self.path}' has no *.safetensors weights", hint=hint)
+        weight_map: dict[str, str] = {}
+        for f in files:
+            try:
+                with safe_open(f, framework="pt") as h:
+                    weight_map.update({k: f.name for k in h.keys()})
+            except Exception as e:  # safetensors raises its own error types for corrupt headers
+                raise CheckpointError(f"cannot read '{f}': {e}") from None
+        return weight_map
+
+    def keys(self) -> list[str]:
+        return list(self._weight_map)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._weight_map
+
+    def _handle(self, key: str) -> Any:
+        if key not in self._weight_map:
+            raise MissingKeyError(f"'{self.path}' has no tensor '{key}'")
+        fname = self._weight_map[key]
+        if fname not in self._handles:
+            try:
+                self._handles[fname] = safe_open(self.path / fname, framework="pt")
+            except Exception as e:
+                raise CheckpointError(f"cannot read '{self.path / fname}': {e}") from None
+        return self._handles[fname]
+
+    def read(self, key: str) -> torch.Tensor:
+        """The full tensor ``key`` on CPU in its stored dtype."""
+        return self._handle(key).get_tensor(key)
+
+    def read_meta(self, key: str) -> torch.Tensor:
+        """A meta tensor with ``key``'s shape and dtype (reads only the header)."""
+        sl = self._handle(key).get_slice(key)
+        return torch.empty(sl.get_shape(), dtype=_ST_DTYPES.get(sl.get_dtype(), torch.float32), device="meta")
+
+    def close(self) -> None:
+        self._handles.clear()
+
+    def __enter__(self) -> "HFCheckpoint":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _list(items: list[str], n: int = 3) -> str:
+    more = f" (+{len(items) - n} more)" if len(items) > n else ""
+    return ", ".join(items[:n]) + more
+
+
+def check_checkpoint(model: nn.Module, adapter: Any, ckpt: HFCheckpoint) -> None:
+    """Raise one CheckpointError naming the first missing / wrongly shaped tensors, before any load."""
+    missing: list[str] = []
+    wrong: list[str] = []
+    for name, p in model.named_parameters():
+        try:
+            t = adapter.load_param(name, ckpt.read_meta)
+        except (CheckpointError, KeyError):
+            missing.append(name)
+            continue
+        if tuple(t.shape) != tuple(p.shape):
+            wrong.append(f"{name} {tuple(t.shape)} != expected {tuple(p.shape)}")
+    if missing or wrong:
+        parts = []
+        if missing:
+            parts.append(f"missing {len(missing)}: {_list(missing)}")
+        if wrong:
+            parts.append(f"wrong shape {len(wrong)}: {_list(wrong)}")
+        raise CheckpointError(
+            f"'{ckpt.path}' does not match the model config: {'; '.join(parts)}",
+            hint="is config.json from the same checkpoint as the weights?",
+        )
+
+
+def from_hf(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> nn.Module:
+    """Build the model a Hugging Face directory describes and load its weights (cast to ``dtype``)."""
+    with HFCheckpoint(path) as ckpt:
+        model_type = ckpt.config.get("model_type")
+        if not model_type:
+            raise CheckpointError(f"'{ckpt.path}/config.json' has no model_type")
+        spec = spec_for_hf_model_type(str(model_type))
+        args = spec.args_cls.from_hf_config(ckpt.config)
+        with torch.device("meta"):
+            model = spec.model_cls(args)
+        adapter = spec.adapter(args)
+        check_checkpoint(model, adapter, ckpt)
+        model.to(dtype)
+        model.to_empty(device=device)
+        model.init_buffers()
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                p.copy_(adapter.load_param(name, ckpt.read))
+    return model
+
+
+def parse_size(size: int | str) -> int:
+    """Bytes in ``size``: an int, or "2GB" / "500MB" / "10KB" (powers of 1000) / "1GiB" (powers of 1024)."""
+    if isinstance(size, int):
+        return size
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B)?\s*", size.upper())
+    if not m:
+        raise ValueError(f"cannot parse size '{size}' (use e.g. 2GB, 500MB, 1GiB or an int)")
+    unit = m.group(2) or "B"
+    base = 1024 if "I" in unit else 1000
+    power = "BKMGT".index(unit[0]) if unit != "B" else 0
+    return int(float(m.group(1)) * base**power)
+
+
+def _spec_of(model: nn.Module) -> ModelSpec:
+    for spec in registered_models().values():
+        if isinstance(spec.model_cls, type) and isinstance(model, spec.model_cls):
+            return spec
+    raise CheckpointError(f"no registered model family builds {type(model).__name__}")
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    full_tensor = getattr(t, "full_tensor", None)  # DTensor
+    t = full_tensor() if full_tensor is not None else t
+    return t.detach().to("cpu").contiguous()
+
+
+def _export_items(model: nn.Module, adapter: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    seen: set[str] = set()
+    for name, t in model.state_dict().items():
+        for key, out in adapter.export_param(name, t).items():
+            if key in seen:
+                raise CheckpointError(f"export writes '{key}' twice")
+            seen.add(key)
+            yield key, out
+
+
+def to_hf(model: nn.Module, path: str | Path, max_shard_size: int | str = "2GB") -> None:
+    """Write config.json and safetensors (sharded with an index when larger than ``max_shard_size``)
+    that ``transformers.AutoModelForCausalLM.from_pretrained`` loads."""
+    spec = _spec_of(model)
+    args = getattr(model, "args")
+    adapter = spec.adapter(args)
+    limit = parse_size(max_shard_size)
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+
+    # Plan shards from sizes only, then materialise one shard at a time.
+    items = list(_export_items(model, adapter))
+    shards: list[list[int]] = [[]]
+    used = 0
+    for i, (_, t) in enumerate(items):
+        size = t.numel() * t.element_size()
+        if shards[-1] and used + size > limit:
+            shards.append([])
+            used = 0
+        shards[-1].append(i)
+        used += size
+    # Stale weights from an earlier export would shadow or confuse the new ones.
+    for old in out.iterdir():
+        if old.name in (SINGLE_NAME, INDEX_NAME) or _SHARD_RE.match(old.name):
+            old.unlink()
+
+    n = len(shards)
+    names = [SINGLE_NAME] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    weight_map: dict[str, str] = {}
+    total = 0
+    for fname, idx in zip(names, shards):
+        tensors = {items[i][0]: _full(items[i][1]) for i in idx}
+        save_file(tensors, str(out / fname), metadata={"format": "pt"})
+        for key, t in tensors.items():
+            weight_map[key] = fname
+            total += t.numel() * t.element_size()
+        del tensors
+    if n > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        (out / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+
+    config = adapter.hf_config()
+    dtypes = [t.dtype for _, t in items if t.is_floating_point()]
+    if dtypes:
+        config["dtype"] = str(dtypes[0]).removeprefix("torch.")
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+__all__ = ["HFCheckpoint", "MissingKeyError", "check_checkpoint", "from_hf", "parse_size", "to_hf"]

@@ -1,0 +1,56 @@
+"""Bad input: one clear line on stderr, non-zero exit, no traceback, no worker started."""
+
+from __future__ import annotations
+
+import pytest
+
+from helpers import run_cli
+
+CASES = [
+    (["parallel.tpp=2"], "Key 'tpp' not in 'ParallelConfig'"),
+    (["+parallel.tpp=2"], "Key 'tpp' not in 'ParallelConfig'"),
+    (["train.steps=abc"], "could not be converted to Integer"),
+    (["parallel=fsdp3"], "Could not find 'parallel/fsdp3' (available:"),
+    (["model.flavor=huge"], "unknown flavour 'huge' for model 'qwen3_5' (hint: known flavours: 0.8b, 27b, 4b, 9b, debug)"),
+    (["parallel.world_size=3", "parallel.dp_shard=2"], "degrees do not multiply to world_size"),
+    (["parallel=fsdp4", "train.global_batch_size=6"], "train.global_batch_size 6 not divisible"),
+    (["parallel=fsdp_tp2"], "not supported yet: tp=2"),
+    (["parallel.world_size=2", "parallel.dp_shard=1", "parallel.cp=2"], "not supported yet: cp=2"),
+    (["parallel.world_size=2", "parallel.dp_shard=1", "parallel.pp=2"], "not supported yet: pp=2"),
+    (["parallel.world_size=2", "parallel.dp_shard=2", "parallel.ep=2"], "not supported yet: ep=2"),
+    (["model.hf_path=/nonexistent/model"], "model.hf_path '/nonexistent/model' does not exist"),
+]
+
+
+@pytest.mark.parametrize("args,expected", CASES, ids=[" ".join(a) for a, _ in CASES])
+def test_bad_input_is_one_line(tmp_path, args, expected):
+    res = run_cli(args + [f"hydra.run.dir={tmp_path}/run"], cwd=tmp_path, timeout=120)
+    assert res.returncode != 0
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1, res.stderr
+    assert "error:" in lines[0] and expected in lines[0], lines[0]
+    assert "Traceback" not in res.stderr
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_hf_path_without_config_json(tmp_path):
+    (tmp_path / "hf").mkdir()
+    res = run_cli([f"model.hf_path={tmp_path}/hf", f"hydra.run.dir={tmp_path}/run"], cwd=tmp_path, timeout=120)
+    assert res.returncode != 0
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "has no config.json" in lines[0], res.stderr
+
+
+def test_dry_run_prints_plan_without_workers(tmp_path):
+    res = run_cli(["parallel=fsdp2", "dry_run=true", f"hydra.run.dir={tmp_path}/run"], cwd=tmp_path, timeout=120)
+    assert res.returncode == 0, res.stderr
+    out = res.stdout
+    for needle in ("dp_shard=2", "parameters", "params", "grads", "optimizer", "verdict     OK"):
+        assert needle in out, out
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_dry_run_rejects_unsupported_with_verdict(tmp_path):
+    res = run_cli(["parallel=fsdp_tp2", "dry_run=true", f"hydra.run.dir={tmp_path}/run"], cwd=tmp_path, timeout=120)
+    assert res.returncode != 0
+    assert "REJECTED: not supported yet: tp=2" in res.stdout

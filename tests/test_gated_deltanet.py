@@ -1,0 +1,106 @@
+"""GatedDeltaNet: chunked gated delta rule vs the per-token recurrence, conv, and the HF layer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hyperpar.models.layers import (
+    GatedDeltaNet,
+    causal_depthwise_conv1d,
+    chunk_gated_delta_rule,
+    recurrent_gated_delta_rule,
+)
+
+torch.set_num_threads(1)
+
+
+def inputs(S: int, B: int = 2, nk: int = 2, nv: int = 4, dk: int = 16, dv: int = 32, seed: int = 0, decay: float = 2.0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, S, nk, dk, generator=g)
+    k = torch.randn(B, S, nk, dk, generator=g)
+    v = torch.randn(B, S, nv, dv, generator=g)
+    gate = -torch.rand(B, S, nv, generator=g) * decay  # log decay ≤ 0
+    beta = torch.rand(B, S, nv, generator=g)
+    return q, k, v, gate, beta
+
+
+@pytest.mark.parametrize("S", [1, 5, 64, 70, 130])
+def test_chunked_matches_recurrence(S: int) -> None:
+    x = inputs(S)
+    ref = recurrent_gated_delta_rule(*x)
+    for chunk in (64, 32, 16):
+        out = chunk_gated_delta_rule(*x, chunk_size=chunk)
+        assert out.shape == ref.shape == (2, S, 4, 32)
+        assert (out - ref).abs().max().item() <= 1e-5, chunk
+
+
+def test_equal_heads_and_strong_decay() -> None:
+    x = inputs(100, nk=3, nv=3, dk=8, dv=8, seed=1, decay=60.0)  # exp(γ) underflows inside a chunk
+    out = chunk_gated_delta_rule(*x)
+    assert torch.isfinite(out).all()
+    assert (out - recurrent_gated_delta_rule(*x)).abs().max().item() <= 1e-5
+
+
+def test_gradients_match_recurrence() -> None:
+    x = [t.double().requires_grad_() for t in inputs(70, B=1, dk=8, dv=8, seed=2)]
+    w = torch.randn(1, 70, 4, 8, dtype=torch.float64)
+    # double inputs still run the rule in fp32; compare float grads
+    (chunk_gated_delta_rule(*x) * w).sum().backward()
+    got = [t.grad.clone() for t in x]
+    for t in x:
+        t.grad = None
+    (recurrent_gated_delta_rule(*x) * w).sum().backward()
+    for a, b in zip(got, (t.grad for t in x)):
+        assert (a - b).abs().max().item() <= 1e-5
+
+
+def test_bf16_inputs_computed_in_fp32() -> None:
+    x = inputs(70)
+    ref = chunk_gated_delta_rule(*x)
+    q, k, v, g, beta = x
+    out = chunk_gated_delta_rule(q.bfloat16(), k.bfloat16(), v.bfloat16(), g, beta.bfloat16())
+    assert out.dtype == torch.bfloat16
+    assert (out.float() - ref).abs().max().item() <= 0.05
+
+
+@pytest.mark.parametrize("S", [1, 2, 3, 4, 9])
+def test_causal_conv_matches_conv1d(S: int) -> None:
+    C, K = 6, 4
+    x = torch.randn(2, S, C, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(C, 1, K, dtype=torch.float64, requires_grad=True)
+    ref = F.silu(F.conv1d(x.transpose(1, 2), w, padding=K - 1, groups=C)[:, :, :S]).transpose(1, 2)
+    assert (causal_depthwise_conv1d(x, w) - ref).abs().max().item() <= 1e-12
+    assert torch.autograd.gradcheck(lambda a, b: causal_depthwise_conv1d(a, b), (x, w))
+    assert torch.autograd.gradcheck(lambda a, b: causal_depthwise_conv1d(a, b, silu=False), (x, w))
+
+
+def test_layer_matches_transformers() -> None:
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
+
+    cfg = transformers.Qwen3_5TextConfig(
+        hidden_size=64, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+        linear_value_head_dim=32, linear_conv_kernel_dim=4, num_hidden_layers=1, rms_norm_eps=1e-6,
+        layer_types=["linear_attention"],
+    )  # fmt: skip
+    torch.manual_seed(0)
+    hf = Qwen3_5GatedDeltaNet(cfg, 0).float()
+    with torch.no_grad():
+        hf.norm.weight.normal_(1.0, 0.2)
+    ours = GatedDeltaNet(64, 2, 4, 16, 32, 4, eps=1e-6)
+    ours.load_state_dict(hf.state_dict())
+    x = torch.randn(2, 70, 64, requires_grad=True)
+    ref = hf(x)
+    out = ours(x)
+    assert (out - ref).abs().max().item() <= 1e-5
+    w = torch.randn_like(ref)
+    (ref * w).sum().backward()
+    ref_grads = {n: p.grad.clone() for n, p in hf.named_parameters()}
+    gx = x.grad.clone()
+    x.grad = None
+    (out * w).sum().backward()
+    assert (x.grad - gx).abs().max().item() <= 1e-5
+    for n, p in ours.named_parameters():
+        assert (p.grad - ref_grads[n]).abs().max().item() <= 1e-5 * max(1.0, ref_grads[n].abs().max().item()), n
