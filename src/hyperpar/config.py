@@ -33,6 +33,9 @@ class TrainConfig:
     activation_checkpoint: str = "none"  # none | full | selective
     log_every: int = 1
     deterministic: bool = True
+    # End the loop after this many optimizer steps without changing the schedule (which still spans
+    # ``steps``): a run that stops early and resumes later follows the uninterrupted trajectory.
+    stop_after_steps: Optional[int] = None
 
 
 @dataclass

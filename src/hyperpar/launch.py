@@ -71,6 +71,7 @@ def worker_main(cfg: DictConfig, run_dir: str) -> dict[str, Any]:
     """Train one job as one rank. Returns a small summary (rank 0's losses)."""
     import torch
     import torch.distributed as dist
+    from hyperpar.checkpoint.preemption import PreemptionFlag
     from hyperpar.config import build as instantiate
 
     from hyperpar.data.loader import DistributedBatchLoader
@@ -86,6 +87,7 @@ def worker_main(cfg: DictConfig, run_dir: str) -> dict[str, Any]:
     dev.set_device(local_rank)
     device = dev.device(local_rank)
     _init_process_group(dev.backend, rank, world)
+    preemption = PreemptionFlag().install()  # SIGTERM: finish the step, save, exit 0
     try:
         pdims = instantiate(cfg.parallel)
         if pdims.world_size != world:
@@ -109,15 +111,21 @@ def worker_main(cfg: DictConfig, run_dir: str) -> dict[str, Any]:
         dp_mesh = pdims.submesh("dp")
         loader = DistributedBatchLoader(dataset, global_batch_size=t.global_batch_size, micro_batch_size=t.micro_batch_size,
                                         dp_rank=dp_mesh.get_local_rank(), dp_size=dp_mesh.size())
-        metrics = MetricsWriter(run_dir, rank=rank, total_steps=t.steps, progress_bar=cfg.metrics.progress_bar,
-                                tensorboard=cfg.metrics.tensorboard)
+        # Restarted workers (elastic restart) always resume from the newest complete checkpoint.
+        checkpointer = instantiate(cfg.checkpoint, _partial_=True)(
+            run_dir=run_dir, job_cfg=cfg, rank=rank, world_size=world, device_type=dev.type)
         seq_flops = model.flops_per_token(t.seq_len)
         trainer = instantiate(cfg.trainer, _partial_=True)(
             model=model, optimizer=optimizer, scheduler=scheduler, loader=loader, parallel_dims=pdims,
             device_info=dev, device=device, run_dir=run_dir, steps=t.steps, max_grad_norm=t.max_grad_norm,
             flops_per_token=seq_flops, peak_flops=dev.peak_flops(torch.float32 if t.mixed_precision.param_dtype == "float32" else torch.bfloat16),
-            rank=rank, metrics=metrics,
+            rank=rank, metrics=None, checkpointer=checkpointer, stop_after_steps=t.stop_after_steps, preemption=preemption,
         )
+        checkpointer.resume(trainer)
+        # metrics.jsonl is appended to: a resumed run continues its file (readers keep the last record per step).
+        metrics = MetricsWriter(run_dir, rank=rank, total_steps=t.steps, start_step=trainer.step,
+                                progress_bar=cfg.metrics.progress_bar, tensorboard=cfg.metrics.tensorboard)
+        trainer.metrics = metrics
         try:
             result = trainer.fit()
         finally:
@@ -130,6 +138,7 @@ def worker_main(cfg: DictConfig, run_dir: str) -> dict[str, Any]:
             (Path(run_dir) / USER_ERROR_FILE).write_text(e.one_line() + "\n")
         raise
     finally:
+        preemption.restore()
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -145,9 +154,19 @@ def run_worker(cfg_path: str, run_dir: str) -> dict[str, Any]:
         sys.exit(2)
 
 
+def _user_error(line: str) -> HyperparError:
+    """The worker's one-line user error, re-raised in the driver with its kind (config, checkpoint, ...)."""
+    kind, _, message = line.strip().partition(" error: ")
+    classes = {c.kind: c for c in HyperparError.__subclasses__()}
+    if kind not in classes or not message:
+        return TrainingError(line.strip().split(" error: ", 1)[-1])
+    message, _, hint = message.partition(" (hint: ")
+    return classes[kind](message, hint=hint[:-1] if hint.endswith(")") else None)
+
+
 def launch_workers(cfg: DictConfig, run_dir: str) -> dict[str, Any]:
     """Start world_size local workers with PyTorch's elastic launcher (torchrun semantics)."""
-    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException, Std
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -164,10 +183,16 @@ def launch_workers(cfg: DictConfig, run_dir: str) -> dict[str, Any]:
     saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)}
     try:
         results = elastic_launch(lc, run_worker)(cfg_path, run_dir)
+    except SignalException as e:
+        if e.sigval != signal.SIGTERM:
+            raise
+        # Preemption: the agent forwarded SIGTERM; the workers finished their step, saved and exited.
+        log.warning("preempted (SIGTERM): the workers saved a checkpoint; rerun with hydra.run.dir=%s to resume", run_dir)
+        return {"preempted": True, "losses": [], "final_loss": None, "stop_reason": "preempted"}
     except ChildFailedError as e:
         user = Path(run_dir) / USER_ERROR_FILE
         if user.exists():
-            raise TrainingError(user.read_text().strip().split(" error: ", 1)[-1]) from None
+            raise _user_error(user.read_text()) from None
         rank, failure = e.get_first_failure()
         raise RuntimeError(f"worker rank {rank} failed (exit code {failure.exitcode}); see {run_dir}/logs/rank_{rank}.log "
                            f"and {failure.error_file}") from e
@@ -182,6 +207,8 @@ def run_job(cfg: DictConfig, run_dir: str) -> dict[str, Any]:
     Path(run_dir).mkdir(parents=True, exist_ok=True)
     if under_torchrun():
         return worker_main(cfg, run_dir)
+    # A resumed run reuses its run dir: an error file of an earlier invocation must not be reported as this one's.
+    (Path(run_dir) / USER_ERROR_FILE).unlink(missing_ok=True)
     OmegaConf.save(cfg, Path(run_dir) / "config.yaml", resolve=True)
     if int(cfg.parallel.world_size) == 1:
         return worker_main(cfg, run_dir)

@@ -42,6 +42,8 @@ class Trainer:
         rank: int,
         metrics: MetricsWriter | None = None,
         checkpointer: Any = None,
+        stop_after_steps: int | None = None,
+        preemption: Any = None,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
@@ -58,8 +60,12 @@ class Trainer:
         self.rank = rank
         self.metrics = metrics
         self.checkpointer = checkpointer
+        self.stop_after_steps = stop_after_steps
+        self.preemption = preemption  # has ``.requested`` (set by SIGTERM), see checkpoint/preemption.py
+        self.stop_reason: str | None = None
         self.step = 0  # optimizer steps done
         self.tokens_seen = 0
+        self.samples_seen = 0
         self.loss_group = parallel_dims.submesh("dp_cp").get_group()
         self.history: list[float] = []
 
@@ -102,6 +108,7 @@ class Trainer:
         self.step += 1
         tokens = int(global_tokens.item())
         self.tokens_seen += tokens
+        self.samples_seen += self.loader.global_batch_size
         tps = tokens / dt
         world = self.pdims.world_size
         mfu = self.flops_per_token * tps / (self.peak_flops * world) if self.peak_flops else 0.0
@@ -118,15 +125,46 @@ class Trainer:
             "mfu": mfu,
         }
 
+    def counters(self) -> dict[str, int]:
+        """The loop's position, saved in checkpoints (consumed samples and tokens continue on resume)."""
+        return {"step": self.step, "samples_seen": self.samples_seen, "tokens_seen": self.tokens_seen}
+
+    def load_counters(self, state: dict[str, int]) -> None:
+        self.step = int(state["step"])
+        self.samples_seen = int(state.get("samples_seen", self.step * self.loader.global_batch_size))
+        self.tokens_seen = int(state.get("tokens_seen", 0))
+
+    def _check_stop(self) -> str | None:
+        """Why the loop ends after this step, agreed by all ranks (one tiny all-reduce per step)."""
+        requested = bool(self.preemption is not None and self.preemption.requested)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            flag = torch.tensor([1.0 if requested else 0.0], device=self.device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            requested = bool(flag.item() > 0)
+        if requested:
+            return "preempted"
+        if self.stop_after_steps is not None and self.stop_after_steps > 0 and self.step >= self.stop_after_steps:
+            return "stop_after_steps"
+        return None
+
     def fit(self) -> dict[str, Any]:
+        from hyperpar.checkpoint.preemption import fault_hook_after_step
+
         log.info("training for %d steps (starting at step %d)", self.steps, self.step)
-        while self.step < self.steps:
+        if self.stop_after_steps is not None and 0 < self.stop_after_steps <= self.step:
+            self.stop_reason = "stop_after_steps"
+        while self.step < self.steps and self.stop_reason is None:
             record = self.train_step()
             self.history.append(record["loss"])
             if self.metrics is not None:
                 self.metrics.write(record)
+            fault_hook_after_step(self.step, self.rank, self.pdims.world_size)
+            self.stop_reason = self._check_stop()
             if self.checkpointer is not None:
                 self.checkpointer.after_step(self)
+        if self.stop_reason is not None:
+            log.info("stopping after step %d of %d (%s)", self.step, self.steps, self.stop_reason)
         if self.checkpointer is not None:
             self.checkpointer.at_end(self)
-        return {"steps": self.step, "final_loss": self.history[-1] if self.history else None, "losses": self.history}
+        return {"steps": self.step, "final_loss": self.history[-1] if self.history else None, "losses": self.history,
+                "stop_reason": self.stop_reason}

@@ -1,0 +1,193 @@
+"""The on-disk layout of a run's checkpoints, and the rules that make a save atomic.
+
+```
+<run_dir>/checkpoints/
+  step_<n>.tmp/      being written (never resumed from)
+  step_<n>/          complete: renamed from .tmp by rank 0 after every rank finished; holds COMPLETE
+  latest             text file naming the newest published step dir (replaced atomically)
+```
+
+A directory counts as a checkpoint only if its name is ``step_<n>`` *and* it holds the ``COMPLETE``
+marker, which rank 0 writes inside the ``.tmp`` directory before the rename. A run killed at any
+point of a save leaves at most a ``.tmp`` directory, which resume ignores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from hyperpar.errors import CheckpointError
+
+CHECKPOINTS = "checkpoints"
+MARKER = "COMPLETE"
+LATEST = "latest"
+TRAIN_STATE = "train_state.json"
+CONFIG = "config.yaml"
+RNG_DIR = "rng"
+DCP_METADATA = ".metadata"
+
+_STEP_RE = re.compile(r"^step_(\d+)$")
+
+
+def checkpoints_dir(run_dir: str | Path) -> Path:
+    return Path(run_dir) / CHECKPOINTS
+
+
+def step_name(step: int) -> str:
+    return f"step_{step}"
+
+
+def step_of(path: Path) -> int | None:
+    m = _STEP_RE.match(path.name)
+    return int(m.group(1)) if m else None
+
+
+def is_complete(path: Path) -> bool:
+    return step_of(path) is not None and (path / MARKER).is_file()
+
+
+def list_complete(root: str | Path) -> list[tuple[int, Path]]:
+    """Complete checkpoints under ``root`` (a checkpoints dir), oldest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = []
+    for p in root.iterdir():
+        step = step_of(p)
+        if step is not None and p.is_dir() and (p / MARKER).is_file():
+            found.append((step, p))
+    return sorted(found)
+
+
+def incomplete(root: str | Path) -> list[Path]:
+    """Leftovers of interrupted saves (``step_<n>.tmp``, or a ``step_<n>`` without its marker)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith("step_") and not is_complete(p)
+                  and not p.name.endswith(".deleting"))
+
+
+def newest_complete(root: str | Path) -> Path | None:
+    found = list_complete(root)
+    return found[-1][1] if found else None
+
+
+def resolve_load_path(path: str | Path) -> Path:
+    """A ``step_<n>`` directory, or a checkpoints / run directory (its newest complete checkpoint)."""
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise CheckpointError(f"checkpoint.load_path '{path}' does not exist",
+                              hint="give a checkpoints/step_<n> directory or a run directory that has checkpoints")
+    if not p.is_dir():
+        raise CheckpointError(f"checkpoint.load_path '{path}' is not a directory",
+                              hint="give a checkpoints/step_<n> directory")
+    if (p / DCP_METADATA).exists() or step_of(p) is not None or p.name.endswith(".tmp"):
+        if not (p / MARKER).is_file():
+            raise CheckpointError(f"checkpoint '{p}' is incomplete (no {MARKER} marker: its save was interrupted)",
+                                  hint="use an earlier complete checkpoint, or resume=auto to pick the newest complete one")
+        return p
+    for root in (p, p / CHECKPOINTS):
+        newest = newest_complete(root)
+        if newest is not None:
+            return newest
+    raise CheckpointError(f"'{path}' holds no complete checkpoint", hint="give a checkpoints/step_<n> directory")
+
+
+def read_json(path: Path, what: str) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint file '{path}' is missing ({what})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"checkpoint file '{path}' is corrupt or truncated ({what}: {e})") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"checkpoint file '{path}' is not a JSON object ({what})")
+    return data
+
+
+def write_json(path: Path, data: dict[str, Any]) -> None:
+    """Write and fsync: the marker of a save must never be visible before what it vouches for."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        f.write(json.dumps(data, indent=1, sort_keys=True) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_tree(path: Path) -> None:
+    for p in sorted(path.rglob("*")):
+        if p.is_file():
+            with open(p, "rb") as f:
+                os.fsync(f.fileno())
+    _fsync_dir(path)
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # some filesystems do not support fsync on directories
+        pass
+    finally:
+        os.close(fd)
+
+
+def prepare_tmp(root: Path, step: int) -> Path:
+    """(rank 0) A fresh ``step_<n>.tmp``; a leftover of an earlier, interrupted save of this step is removed."""
+    tmp = root / f"{step_name(step)}.tmp"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def publish(tmp: Path, step: int, marker: dict[str, Any]) -> Path:
+    """(rank 0, after a barrier) Marker, rename, ``latest``: the checkpoint becomes visible in one rename."""
+    _fsync_tree(tmp)
+    write_json(tmp / MARKER, {**marker, "step": step, "time": time.strftime("%Y-%m-%dT%H:%M:%S")})
+    final = tmp.parent / step_name(step)
+    if final.exists():
+        # Re-saving a step (a run resumed from an earlier checkpoint into the same dir): retire the old one
+        # first; a crash in between leaves the .tmp (complete but unpublished) and older checkpoints.
+        retired = final.with_name(final.name + ".deleting")
+        if retired.exists():
+            shutil.rmtree(retired)
+        os.rename(final, retired)
+        shutil.rmtree(retired, ignore_errors=True)
+    os.rename(tmp, final)
+    _fsync_dir(tmp.parent)
+    latest_tmp = tmp.parent / f"{LATEST}.tmp"
+    with open(latest_tmp, "w") as f:
+        f.write(final.name + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(latest_tmp, tmp.parent / LATEST)
+    _fsync_dir(tmp.parent)
+    return final
+
+
+def prune(root: Path, keep_last: int, *, keep: Path | None = None) -> list[Path]:
+    """(rank 0) Delete complete checkpoints older than the newest ``keep_last``; never incomplete ones.
+
+    A checkpoint is first renamed out of the ``step_<n>`` namespace, so a crash mid-delete never leaves
+    a half-deleted directory that resume would take.
+    """
+    if keep_last <= 0:
+        return []
+    found = list_complete(root)
+    doomed = [p for _, p in found[:-keep_last] if keep is None or p != keep]
+    for p in doomed:
+        retired = p.with_name(p.name + ".deleting")
+        os.rename(p, retired)
+        shutil.rmtree(retired, ignore_errors=True)
+    return doomed

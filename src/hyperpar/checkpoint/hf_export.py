@@ -1,0 +1,126 @@
+"""Hugging Face export of a training checkpoint or of the live (sharded) model.
+
+Both paths end in :func:`hyperpar.models.to_hf`, which maps names through the family's
+``StateDictAdapter.export_param``: any registered model family exports without code here.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+
+from hyperpar.checkpoint import directory as d
+from hyperpar.checkpoint.state import check_compatible, check_files, load_tensors, read_metadata
+from hyperpar.errors import CheckpointError
+
+log = logging.getLogger("hyperpar")
+
+
+def spec_of(model: nn.Module):
+    from hyperpar.models.spec import registered_models
+
+    for spec in registered_models().values():
+        if isinstance(spec.model_cls, type) and isinstance(model, spec.model_cls):
+            return spec
+    raise CheckpointError(f"no registered model family builds {type(model).__name__}")
+
+
+def plain_model(spec, args) -> nn.Module:
+    """An unsharded model on CPU with buffers set and parameters uninitialised (to be loaded)."""
+    with torch.device("meta"):
+        model = spec.model_cls(args)
+    model.to_empty(device="cpu")
+    model.init_buffers()
+    return model
+
+
+def _aliases(model: nn.Module) -> dict[str, str]:
+    """Tied parameters: every name after the first that shares a tensor, mapped to the first."""
+    first: dict[int, str] = {}
+    out: dict[str, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            out[name] = first[id(p)]
+        else:
+            first[id(p)] = name
+    return out
+
+
+def load_full_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Copy a full (unsharded) state dict into ``model``; a tied alias may be absent."""
+    aliases = _aliases(model)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not (k in aliases and aliases[k] in state)]
+    if missing or unexpected:
+        raise CheckpointError(f"state does not match the model: missing {missing[:3]}, unexpected {unexpected[:3]}")
+
+
+def write_hf(model: nn.Module, out_dir: str | Path, *, dtype: torch.dtype | None = None,
+             max_shard_size: int | str = "2GB") -> Path:
+    from hyperpar.models.hf_io import to_hf
+
+    if dtype is not None:
+        model = model.to(dtype)
+    out = Path(out_dir)
+    to_hf(model, out, max_shard_size=max_shard_size)
+    return out
+
+
+def export_live(model: nn.Module, out_dir: str | Path, *, rank: int, max_shard_size: int | str = "2GB") -> Path | None:
+    """Collective: gather full tensors from the DTensors to rank 0's CPU, which writes the HF directory."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if rank != 0:
+        return None
+    plain = plain_model(spec_of(model), model.args)
+    load_full_state(plain, full)
+    del full
+    return write_hf(plain, out_dir, max_shard_size=max_shard_size)
+
+
+def find_config(ckpt: Path) -> Path:
+    """The run's resolved config.yaml: next to the checkpoint (we copy it there), or two levels up."""
+    for cand in (ckpt / d.CONFIG, ckpt.parent.parent / d.CONFIG):
+        if cand.is_file():
+            return cand
+    raise CheckpointError(f"no config.yaml next to '{ckpt}' or in its run directory",
+                          hint="pass --config with the resolved config.yaml of the run that saved it")
+
+
+def load_job_config(path: Path) -> DictConfig:
+    try:
+        cfg = OmegaConf.load(path)
+    except Exception as e:  # noqa: BLE001 - yaml and omegaconf raise several types
+        raise CheckpointError(f"cannot read '{path}': {' '.join(str(e).split())}") from None
+    if not isinstance(cfg, DictConfig) or "model" not in cfg:
+        raise CheckpointError(f"'{path}' has no model section", hint="it must be a hyperpar run's config.yaml")
+    return cfg
+
+
+def load_checkpoint_model(ckpt: str | Path, *, config: str | Path | None = None) -> nn.Module:
+    """One process, no process group: the model a DCP checkpoint holds, as a plain CPU module (fp32)."""
+    from hyperpar.config import build
+
+    path = d.resolve_load_path(ckpt)
+    cfg = load_job_config(Path(config) if config else find_config(path))
+    builder = build(cfg.model, load_weights=False)
+    model = plain_model(builder.spec, builder.args)
+    aliases = _aliases(model)
+    metadata = read_metadata(path)
+    check_files(path, metadata)
+    saved = set(metadata.state_dict_metadata)
+    template = {k: v for k, v in model.state_dict().items() if not (k in aliases and f"model.{k}" not in saved)}
+    check_compatible(path, metadata, {"model": template}, None, builder.describe())
+    load_tensors(path, {"model": template}, no_dist=True)  # fills the model's own tensors in place
+    return model
+
+
+def export_checkpoint(ckpt: str | Path, out_dir: str | Path, *, config: str | Path | None = None,
+                      dtype: torch.dtype | None = None, max_shard_size: int | str = "2GB") -> Path:
+    model = load_checkpoint_model(ckpt, config=config)
+    return write_hf(model, out_dir, dtype=dtype, max_shard_size=max_shard_size)

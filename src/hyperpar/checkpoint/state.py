@@ -1,0 +1,202 @@
+"""What a checkpoint holds, and the checks that run before any of it is loaded.
+
+Tensors (model parameters and optimizer state, FSDP2 DTensors) go through
+``torch.distributed.checkpoint`` so a checkpoint saved on one layout loads on another (DCP reshards).
+Everything else is JSON: trainer counters, LR scheduler, data loader, the optimizer's non-tensor
+param-group options, and per-rank RNG states. Nothing we write is a pickle, and the DCP state dict
+holds tensors only, so loading never unpickles a value (DCP itself still unpickles its
+``.metadata`` index).
+"""
+
+from __future__ import annotations
+
+import base64
+import random
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from hyperpar.errors import CheckpointError
+
+_FORMAT = 1
+
+
+def _options():
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    # Flattened optimizer keys ("state.<param fqn>.exp_avg") are layout-independent, which is what
+    # lets DCP reshard the optimizer like the model.
+    return StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def split_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(tensors for DCP: {"model": ..., "optim": ...}, the optimizer's non-tensor entries).
+
+    Parameter names are canonical (no activation-checkpoint or compile wrapper segments), so a
+    checkpoint does not depend on those settings either.
+    """
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    msd, osd = get_state_dict(model, optimizer, options=_options())
+    optim_tensors = {k: v for k, v in osd.items() if isinstance(v, torch.Tensor)}
+    optim_other = {k: v for k, v in osd.items() if not isinstance(v, torch.Tensor)}
+    return {"model": msd, "optim": optim_tensors}, optim_other
+
+
+def to_json_value(value: Any) -> Any:
+    if isinstance(value, tuple):
+        return [to_json_value(v) for v in value]
+    if isinstance(value, list):
+        return [to_json_value(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): to_json_value(v) for k, v in value.items()}
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return value.item()
+    raise TypeError(f"cannot store {type(value).__name__} in a checkpoint's JSON state")
+
+
+def _like(value: Any, template: Any) -> Any:
+    """JSON value back in the template's container type (tuples come back as lists)."""
+    if isinstance(template, tuple) and isinstance(value, list):
+        return tuple(_like(v, t) for v, t in zip(value, template)) if len(value) == len(template) else tuple(value)
+    return value
+
+
+def flat_keys(tensors: dict[str, dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """DCP's flattened names for our two-level state dict ("model.<fqn>", "optim.<key>")."""
+    return {f"{top}.{k}": v for top, sub in tensors.items() for k, v in sub.items()}
+
+
+# ---- checks before loading ----------------------------------------------------------------------
+def read_metadata(path: Path):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    meta_file = path / ".metadata"
+    if not meta_file.is_file():
+        raise CheckpointError(f"checkpoint '{path}' has no .metadata (not a torch.distributed.checkpoint directory)")
+    try:
+        return FileSystemReader(str(path)).read_metadata()
+    except Exception as e:  # noqa: BLE001 - an unreadable index is a damaged checkpoint, whatever the error type
+        raise CheckpointError(f"checkpoint '{path}': .metadata is corrupt or truncated ({type(e).__name__}: {e})") from None
+
+
+def check_files(path: Path, metadata) -> None:
+    """Every data file is present and long enough for the byte ranges the index points into."""
+    need: dict[str, int] = {}
+    for info in metadata.storage_data.values():
+        end = int(info.offset) + int(info.length)
+        need[info.relative_path] = max(need.get(info.relative_path, 0), end)
+    for rel, end in sorted(need.items()):
+        f = path / rel
+        if not f.is_file():
+            raise CheckpointError(f"checkpoint '{path}' is missing its data file '{rel}'", hint="the checkpoint was copied incompletely")
+        size = f.stat().st_size
+        if size < end:
+            raise CheckpointError(f"checkpoint file '{f}' is truncated: {size} bytes, the index needs {end}",
+                                  hint="the checkpoint was copied incompletely or the disk filled up; use an earlier checkpoint")
+
+
+def _list(items: list[str], n: int = 3) -> str:
+    more = f" (+{len(items) - n} more)" if len(items) > n else ""
+    return ", ".join(items[:n]) + more
+
+
+def check_compatible(path: Path, metadata, tensors: dict[str, dict[str, torch.Tensor]], saved_model: str | None,
+                     current_model: str) -> None:
+    """Raise one CheckpointError naming the first missing / unexpected / wrongly shaped tensors."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    saved = {k: v for k, v in metadata.state_dict_metadata.items()}
+    ours = flat_keys(tensors)
+    missing, unexpected, wrong = [], [], []
+    for top in tensors:  # model first: its names say the most
+        prefix = top + "."
+        for key, t in ours.items():
+            if not key.startswith(prefix):
+                continue
+            md = saved.get(key)
+            if md is None or not isinstance(md, TensorStorageMetadata):
+                missing.append(key)
+            elif tuple(md.size) != tuple(t.shape):
+                wrong.append(f"{key} {tuple(md.size)} in checkpoint != {tuple(t.shape)} expected")
+        unexpected += [k for k in saved if k.startswith(prefix) and k not in ours]
+    if not (missing or unexpected or wrong):
+        return
+    parts = []
+    if wrong:
+        parts.append(f"wrong shape {len(wrong)}: {_list(wrong)}")
+    if missing:
+        parts.append(f"missing {len(missing)}: {_list(missing)}")
+    if unexpected:
+        parts.append(f"unexpected {len(unexpected)}: {_list(unexpected)}")
+    origin = f" (saved for {saved_model}, this run is {current_model})" if saved_model and saved_model != current_model else ""
+    raise CheckpointError(f"checkpoint '{path}' does not match the model{origin}: {'; '.join(parts)}",
+                          hint="resume with the model config that wrote the checkpoint (its config.yaml is next to it)")
+
+
+def load_tensors(path: Path, tensors: dict[str, dict[str, torch.Tensor]], *, no_dist: bool = False) -> None:
+    """``dcp.load`` in place (resharding to this run's layout); read errors become one CheckpointError."""
+    import torch.distributed.checkpoint as dcp
+
+    try:
+        dcp.load(tensors, checkpoint_id=str(path), no_dist=no_dist)
+    except CheckpointError:
+        raise
+    except Exception as e:  # noqa: BLE001 - DCP wraps per-rank read errors in its own exception types
+        first = " ".join(str(e).split())[:300]
+        raise CheckpointError(f"cannot read checkpoint '{path}': {type(e).__name__}: {first}",
+                              hint="the checkpoint is damaged; use an earlier one") from None
+
+
+def apply_model_optim(model: nn.Module, optimizer: torch.optim.Optimizer, tensors: dict[str, Any],
+                      optim_other_template: dict[str, Any], optim_other_saved: dict[str, Any]) -> None:
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    other = {k: _like(optim_other_saved[k], v) if k in optim_other_saved else v for k, v in optim_other_template.items()}
+    set_state_dict(model, optimizer, model_state_dict=tensors["model"], optim_state_dict={**tensors["optim"], **other},
+                   options=_options())
+
+
+# ---- RNG ----------------------------------------------------------------------------------------
+def _b64(t: torch.Tensor) -> str:
+    return base64.b64encode(t.cpu().numpy().tobytes()).decode("ascii")
+
+
+def _unb64(s: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8).clone()
+
+
+def rng_state(device_type: str = "cpu") -> dict[str, Any]:
+    version, state, gauss = random.getstate()
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    out: dict[str, Any] = {
+        "python": [version, list(state), gauss],
+        "numpy": [name, keys.tolist(), int(pos), int(has_gauss), float(cached)],
+        "torch_cpu": _b64(torch.get_rng_state()),
+    }
+    if device_type != "cpu":
+        mod = getattr(torch, device_type)
+        out["device"] = {"type": device_type, "state": _b64(mod.get_rng_state())}
+    return out
+
+
+def set_rng_state(state: dict[str, Any], device_type: str = "cpu") -> None:
+    try:
+        version, st, gauss = state["python"]
+        random.setstate((version, tuple(st), gauss))
+        name, keys, pos, has_gauss, cached = state["numpy"]
+        np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+        torch.set_rng_state(_unb64(state["torch_cpu"]))
+        dev = state.get("device")
+        if dev and dev.get("type") == device_type and device_type != "cpu":
+            getattr(torch, device_type).set_rng_state(_unb64(dev["state"]))
+    except (KeyError, TypeError, ValueError, RuntimeError) as e:
+        raise CheckpointError(f"checkpoint RNG state is corrupt ({type(e).__name__}: {e})") from None
+
+
+FORMAT = _FORMAT

@@ -1,0 +1,75 @@
+"""Small pure-function units: ParallelDims arithmetic, LR schedule, dummy data, the DP loader split."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hyperpar.data.dummy import DummyTextSource
+from hyperpar.data.loader import DistributedBatchLoader
+from hyperpar.distributed.parallel_dims import ParallelDims
+from hyperpar.errors import PlanError
+from hyperpar.train.lr import lr_multiplier
+
+
+def test_dp_shard_minus_one_takes_the_rest():
+    p = ParallelDims(world_size=8, dp_replicate=2, dp_shard=-1)
+    assert p.dp_shard == 4 and p.dp == 8 and p.fsdp_size == 4
+
+
+@pytest.mark.parametrize("kw,msg", [
+    (dict(world_size=4, dp_shard=3), "do not multiply"),
+    (dict(world_size=6, dp_replicate=4, dp_shard=-1), "not divisible"),
+    (dict(world_size=2, dp_shard=1, tp=2, vpp=2), "vpp > 1 needs pp > 1"),
+    (dict(world_size=4, dp_shard=2, tp=2, ep=3), "ep 3 must divide"),
+])
+def test_bad_degrees(kw, msg):
+    with pytest.raises(PlanError, match=msg):
+        ParallelDims(**kw)
+
+
+def test_model_divisibility_checks():
+    p = ParallelDims(world_size=4, dp_shard=1, tp=4)
+    with pytest.raises(PlanError, match="key/value heads 2 not divisible by tp 4"):
+        p.check_model({"num_attention_heads": 8, "num_key_value_heads": 2}, seq_len=128, global_batch_size=8, micro_batch_size=1)
+    p = ParallelDims(world_size=2, dp_shard=2)
+    with pytest.raises(PlanError, match="global_batch_size 6"):
+        p.check_model({}, seq_len=128, global_batch_size=6, micro_batch_size=2)
+    p = ParallelDims(world_size=4, dp_shard=1, pp=4)
+    with pytest.raises(PlanError, match="cannot fill pp"):
+        p.check_model({"num_hidden_layers": 2}, seq_len=128, global_batch_size=4, micro_batch_size=1)
+
+
+def test_lr_schedule_shapes():
+    kw = dict(warmup_steps=2, total_steps=10, min_lr_ratio=0.1)
+    assert lr_multiplier(0, schedule="cosine", **kw) == 0.5
+    assert lr_multiplier(1, schedule="cosine", **kw) == 1.0
+    assert lr_multiplier(2, schedule="cosine", **kw) == pytest.approx(1.0)
+    assert lr_multiplier(10, schedule="cosine", **kw) == pytest.approx(0.1)
+    assert lr_multiplier(6, schedule="linear", **kw) == pytest.approx(0.55)
+    assert lr_multiplier(9, schedule="constant", **kw) == 1.0
+
+
+def test_dummy_samples_are_pure_functions_of_seed_and_index():
+    a = DummyTextSource(seq_len=16, vocab_size=100, seed=3, num_samples=10)
+    b = DummyTextSource(seq_len=16, vocab_size=100, seed=3, num_samples=10)
+    assert torch.equal(a[5]["input_ids"], b[5]["input_ids"])
+    assert not torch.equal(a[5]["input_ids"], a[6]["input_ids"])
+    s = a[2]
+    assert torch.equal(s["input_ids"][1:], s["labels"][:-1])  # labels are pre-shifted
+    assert int(s["input_ids"].max()) < 100
+
+
+def test_loader_gives_disjoint_slices_of_the_same_global_batch():
+    src = DummyTextSource(seq_len=4, vocab_size=50, seed=0, num_samples=64)
+    whole = DistributedBatchLoader(src, global_batch_size=8, micro_batch_size=2, dp_rank=0, dp_size=1)
+    parts = [DistributedBatchLoader(src, global_batch_size=8, micro_batch_size=2, dp_rank=r, dp_size=4) for r in range(4)]
+    for _ in range(2):
+        full = torch.cat([mb["input_ids"] for mb in whole.next_step()])
+        split = torch.cat([torch.cat([mb["input_ids"] for mb in p.next_step()]) for p in parts])
+        assert torch.equal(full, split)
+    state = whole.state_dict()
+    again = DistributedBatchLoader(src, global_batch_size=8, micro_batch_size=2, dp_rank=0, dp_size=1)
+    again.load_state_dict(state)
+    assert torch.equal(torch.cat([mb["input_ids"] for mb in again.next_step()]),
+                       torch.cat([mb["input_ids"] for mb in whole.next_step()]))
