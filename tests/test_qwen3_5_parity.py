@@ -312,3 +312,28 @@ def test_spec_registered() -> None:
     assert set(spec.flavors) >= {"debug", "0.8b", "4b", "9b", "27b"}
     assert callable(spec.parallelize)
     assert Qwen3_5ForCausalLM.block_cls.__name__ == "Qwen3_5DecoderLayer"
+
+
+def test_activation_checkpointing_wrapped_blocks() -> None:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    cfg = tiny(tie_word_embeddings=False)
+    hf = make_hf(cfg)
+    plain = ours_from_hf(hf, cfg)
+    wrapped = copy.deepcopy(plain)
+    for key, block in list(wrapped.model.layers.items()):
+        assert isinstance(block, Qwen3_5ForCausalLM.block_cls)
+        wrapped.model.layers[key] = checkpoint_wrapper(block)
+    ids = ids_for(40)
+    for m in (plain, wrapped):
+        m(ids).square().mean().backward()
+    wrapped_params = dict(wrapped.named_parameters())
+    by_plain_name = {n.replace("_checkpoint_wrapped_module.", ""): q for n, q in wrapped_params.items()}
+    assert set(by_plain_name) == set(dict(plain.named_parameters()))
+    for name, p in plain.named_parameters():
+        assert torch.equal(p.grad, by_plain_name[name].grad), name
+    # init_param resolves names that carry the wrapper segment
+    name = next(n for n in wrapped_params if "_checkpoint_wrapped_module" in n and n.endswith("A_log"))
+    full = torch.empty(wrapped_params[name].shape)
+    wrapped.init_param(name, full, torch.Generator().manual_seed(0))
+    assert torch.all(full <= torch.log(torch.tensor(16.0)))

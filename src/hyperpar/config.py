@@ -77,6 +77,11 @@ class DataConfig:
     pack: bool = True
     cache_dir: Optional[str] = None
     num_workers: int = 0
+    split: str = "train"  # hf/json: dataset split ("train", "train[:1000]"); megatron: train | valid | test
+    shuffle: bool = True  # hf/json/preset: reshuffle the samples of every epoch with train.seed
+    chat: Optional[bool] = None  # hf/json: chat template + assistant-only loss; None: when a messages column exists
+    max_samples: Optional[int] = None  # hf/json: first N records; preset: first N rows
+    format: Optional[str] = None  # hf: json | parquet | arrow | csv | text | disk; None: from the file names
     extra: dict = field(default_factory=dict)
 
 

@@ -204,7 +204,10 @@ def launch_workers(cfg: DictConfig, run_dir: str) -> dict[str, Any]:
 
 def run_job(cfg: DictConfig, run_dir: str) -> dict[str, Any]:
     """Run the job from the driver: in-process for one rank or under torchrun, else start workers."""
+    from hyperpar.checkpoint.manager import preflight
+
     Path(run_dir).mkdir(parents=True, exist_ok=True)
+    preflight(cfg, run_dir)  # a bad load_path / damaged or foreign checkpoint fails here, before any worker
     if under_torchrun():
         return worker_main(cfg, run_dir)
     # A resumed run reuses its run dir: an error file of an earlier invocation must not be reported as this one's.

@@ -79,14 +79,14 @@ def newest_complete(root: str | Path) -> Path | None:
     return found[-1][1] if found else None
 
 
-def resolve_load_path(path: str | Path) -> Path:
+def resolve_load_path(path: str | Path, what: str = "checkpoint.load_path") -> Path:
     """A ``step_<n>`` directory, or a checkpoints / run directory (its newest complete checkpoint)."""
     p = Path(path).expanduser()
     if not p.exists():
-        raise CheckpointError(f"checkpoint.load_path '{path}' does not exist",
+        raise CheckpointError(f"{what} '{path}' does not exist",
                               hint="give a checkpoints/step_<n> directory or a run directory that has checkpoints")
     if not p.is_dir():
-        raise CheckpointError(f"checkpoint.load_path '{path}' is not a directory",
+        raise CheckpointError(f"{what} '{path}' is not a directory",
                               hint="give a checkpoints/step_<n> directory")
     if (p / DCP_METADATA).exists() or step_of(p) is not None or p.name.endswith(".tmp"):
         if not (p / MARKER).is_file():

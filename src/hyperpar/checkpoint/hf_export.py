@@ -14,7 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from hyperpar.checkpoint import directory as d
-from hyperpar.checkpoint.state import check_compatible, check_files, load_tensors, read_metadata
+from hyperpar.checkpoint.state import check_compatible, check_files, load_tensors, model_template, read_metadata, tied_aliases
 from hyperpar.errors import CheckpointError
 
 log = logging.getLogger("hyperpar")
@@ -38,21 +38,9 @@ def plain_model(spec, args) -> nn.Module:
     return model
 
 
-def _aliases(model: nn.Module) -> dict[str, str]:
-    """Tied parameters: every name after the first that shares a tensor, mapped to the first."""
-    first: dict[int, str] = {}
-    out: dict[str, str] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        if id(p) in first:
-            out[name] = first[id(p)]
-        else:
-            first[id(p)] = name
-    return out
-
-
 def load_full_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
     """Copy a full (unsharded) state dict into ``model``; a tied alias may be absent."""
-    aliases = _aliases(model)
+    aliases = tied_aliases(model)
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if not (k in aliases and aliases[k] in state)]
     if missing or unexpected:
@@ -106,15 +94,13 @@ def load_checkpoint_model(ckpt: str | Path, *, config: str | Path | None = None)
     """One process, no process group: the model a DCP checkpoint holds, as a plain CPU module (fp32)."""
     from hyperpar.config import build
 
-    path = d.resolve_load_path(ckpt)
+    path = d.resolve_load_path(ckpt, what="checkpoint")
     cfg = load_job_config(Path(config) if config else find_config(path))
     builder = build(cfg.model, load_weights=False)
     model = plain_model(builder.spec, builder.args)
-    aliases = _aliases(model)
     metadata = read_metadata(path)
     check_files(path, metadata)
-    saved = set(metadata.state_dict_metadata)
-    template = {k: v for k, v in model.state_dict().items() if not (k in aliases and f"model.{k}" not in saved)}
+    template = model_template(model, metadata)
     check_compatible(path, metadata, {"model": template}, None, builder.describe())
     load_tensors(path, {"model": template}, no_dist=True)  # fills the model's own tensors in place
     return model

@@ -255,10 +255,35 @@ class Checkpointer:
         return path
 
 
+def preflight(cfg: DictConfig, run_dir: str) -> Path | None:
+    """Driver-side checks before any worker starts (one-line errors, no worker logs around them):
+    the checkpoint a run would resume from exists, is complete and intact, and fits the model.
+
+    Returns that checkpoint (None for a fresh start). The workers repeat the checks when they load.
+    """
+    from hyperpar.config import build
+
+    c = cfg.checkpoint
+    if c.resume not in RESUME_MODES:
+        raise ConfigError(f"checkpoint.resume='{c.resume}' is not one of {', '.join(RESUME_MODES)}")
+    ck = Checkpointer(enabled=False, resume=c.resume, load_path=c.load_path, run_dir=run_dir, job_cfg=cfg)
+    path = ck._choose()
+    if path is None:
+        return None
+    train_state = d.read_json(path / d.TRAIN_STATE, "trainer state")
+    metadata = st.read_metadata(path)
+    st.check_files(path, metadata)
+    builder = build(cfg.model)
+    meta_model = builder.build_meta()
+    template = st.model_template(meta_model, metadata)
+    st.check_compatible(path, metadata, {"model": template}, train_state.get("model"), _model_tag(cfg) or "")
+    return path
+
+
 def build_checkpointer(**kwargs: Any) -> Checkpointer:
     """``_target_`` of the checkpoint group: the config fields plus the run context
     (``run_dir``, ``job_cfg``, ``rank``, ``world_size``, ``device_type``)."""
     return Checkpointer(**kwargs)
 
 
-__all__ = ["Checkpointer", "build_checkpointer", "RESUME_MODES"]
+__all__ = ["Checkpointer", "build_checkpointer", "preflight", "RESUME_MODES"]

@@ -72,6 +72,25 @@ def flat_keys(tensors: dict[str, dict[str, torch.Tensor]]) -> dict[str, torch.Te
     return {f"{top}.{k}": v for top, sub in tensors.items() for k, v in sub.items()}
 
 
+def tied_aliases(model: nn.Module) -> dict[str, str]:
+    """Tied parameters: every name after the first that shares a tensor, mapped to the first."""
+    first: dict[int, str] = {}
+    out: dict[str, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            out[name] = first[id(p)]
+        else:
+            first[id(p)] = name
+    return out
+
+
+def model_template(model: nn.Module, metadata) -> dict[str, torch.Tensor]:
+    """An unsharded model's state dict as DCP load targets; a tied alias the checkpoint lacks is left out."""
+    aliases = tied_aliases(model)
+    saved = metadata.state_dict_metadata
+    return {k: v for k, v in model.state_dict().items() if not (k in aliases and f"model.{k}" not in saved)}
+
+
 # ---- checks before loading ----------------------------------------------------------------------
 def read_metadata(path: Path):
     from torch.distributed.checkpoint import FileSystemReader
@@ -141,10 +160,14 @@ def check_compatible(path: Path, metadata, tensors: dict[str, dict[str, torch.Te
 
 def load_tensors(path: Path, tensors: dict[str, dict[str, torch.Tensor]], *, no_dist: bool = False) -> None:
     """``dcp.load`` in place (resharding to this run's layout); read errors become one CheckpointError."""
+    import warnings
+
     import torch.distributed.checkpoint as dcp
 
     try:
-        dcp.load(tensors, checkpoint_id=str(path), no_dist=no_dist)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(tensors, checkpoint_id=str(path), no_dist=no_dist)
     except CheckpointError:
         raise
     except Exception as e:  # noqa: BLE001 - DCP wraps per-rank read errors in its own exception types

@@ -201,6 +201,10 @@ class GatedDeltaNet(nn.Module):
     x (B, S, H) → in_proj_qkv → causal conv + silu → split Q | K | V → gated delta rule with decay
     ``g = −exp(A_log) · softplus(a + dt_bias)`` and ``β = sigmoid(b)`` → gated RMSNorm with
     z → out_proj.
+
+    ``chunk_size`` only changes fp32 rounding (the result is exact for any size). 32 is the fastest
+    on CPU for dk = dv = 64…128 (the C² intra-chunk work halves while the scan stays short) and
+    rounds slightly better than transformers' 64.
     """
 
     def __init__(
@@ -213,7 +217,7 @@ class GatedDeltaNet(nn.Module):
         conv_kernel_size: int = 4,
         *,
         eps: float = 1e-6,
-        chunk_size: int = 64,
+        chunk_size: int = 32,
     ) -> None:
         super().__init__()
         if num_value_heads % num_key_heads:
@@ -239,16 +243,17 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, S, _ = x.shape
         dk, dv = self.key_head_dim, self.value_head_dim
-        mixed = causal_depthwise_conv1d(self.in_proj_qkv(x), self.conv1d.weight, silu=True)
-        # Block widths from the local tensor, so a head-sharded (TP) layer works unchanged.
-        nv_local = self.in_proj_b.weight.shape[0]
-        value_dim = nv_local * dv
+        mixed = causal_depthwise_conv1d(self.in_proj_qkv(x), self.conv1d.weight, silu=True)  # (B, S, 2·nk·dk + nv·dv)
+        b = self.in_proj_b(x)  # (B, S, nv)
+        # Head counts from the activations, not the module config: a head-sharded (TP) layer
+        # holds fewer heads and works unchanged.
+        value_dim = b.shape[-1] * dv
         key_dim = (mixed.shape[-1] - value_dim) // 2
         q, k, v = torch.split(mixed, [key_dim, key_dim, value_dim], dim=-1)
         q = q.view(B, S, -1, dk)
         k = k.view(B, S, -1, dk)
         v = v.view(B, S, -1, dv)
-        beta = torch.sigmoid(self.in_proj_b(x))  # (B, S, nv), activation dtype
+        beta = torch.sigmoid(b)  # activation dtype, as transformers
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)  # fp32, ≤ 0
         o = chunk_gated_delta_rule(q, k, v, g, beta, self.chunk_size)  # (B, S, nv, dv)
         z = self.in_proj_z(x).view(B, S, -1, dv)

@@ -125,6 +125,13 @@ class Qwen3_5ForCausalLM(nn.Module):
         if self.args.tie_word_embeddings and self.lm_head is not None and self.model.embed_tokens is not None:
             self.lm_head.weight = self.model.embed_tokens.weight
 
+    @property
+    def tied_weights(self) -> dict[str, str]:
+        """Parameter name → the name it is tied to. A pipeline stage that holds the head but not
+        the embedding should initialise (seed) and load ``lm_head.weight`` under the embedding's
+        name, so both copies start equal."""
+        return {"lm_head.weight": "model.embed_tokens.weight"} if self.args.tie_word_embeddings else {}
+
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         h = self.model(input_ids, position_ids)
         return self.lm_head(h) if self.lm_head is not None else h

@@ -1,0 +1,304 @@
+"""Checkpoints: exact resume (any DP layout), resume on another layout, atomic saves, bad input, HF export.
+
+Runs are tiny (debug model, 16 tokens x 4 samples per step, one thread per rank). Multi-process runs go
+through the real CLI and are marked slow; everything one process can prove runs in-process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import cli_env, compose_cfg, read_losses, run_cli
+from hyperpar.checkpoint import directory as d
+from hyperpar.errors import CheckpointError
+from hyperpar.launch import run_job, worker_main
+
+SMALL = ["train.seq_len=16", "train.global_batch_size=4", "train.micro_batch_size=1", "launch.threads_per_rank=1"]
+CKPT = ["checkpoint=default", "checkpoint.save_steps=5"]
+STEPS = 20
+DETERMINISTIC = ("step", "loss", "grad_norm", "lr", "tokens", "tokens_seen")
+
+# tiny_configs/qwen3_5_causal_lm.json, tied embeddings: a second geometry (and the tied export path)
+TINY = {
+    "architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text", "vocab_size": 1024, "hidden_size": 64,
+    "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "head_dim": 64, "hidden_act": "silu", "rms_norm_eps": 1e-06, "tie_word_embeddings": True,
+    "layer_types": ["linear_attention", "full_attention", "linear_attention", "full_attention"],
+    "linear_conv_kernel_dim": 4, "linear_key_head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+    "linear_value_head_dim": 32, "max_position_embeddings": 4096, "attention_bias": False,
+    "rope_parameters": {"mrope_interleaved": True, "mrope_section": [3, 3, 2], "partial_rotary_factor": 0.25,
+                        "rope_theta": 10000000.0, "rope_type": "default"},
+}  # fmt: skip
+
+
+def _run(run_dir: Path, overrides: list[str]) -> dict[int, float]:
+    """One in-process job through the driver's run_job (preflight + worker), like the CLI does."""
+    cfg = compose_cfg(["metrics.progress_bar=false", *SMALL, f"train.steps={STEPS}", *overrides])
+    run_dir.mkdir(parents=True, exist_ok=True)
+    run_job(cfg, str(run_dir))
+    return read_losses(run_dir)
+
+
+def _cli(run_dir: Path, overrides: list[str], *, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
+    res = subprocess.run([sys.executable, "-m", "hyperpar", *SMALL, f"train.steps={STEPS}", *overrides,
+                          f"hydra.run.dir={run_dir}"], cwd=run_dir.parent, env={**cli_env(), **(env or {})},
+                         capture_output=True, text=True, timeout=timeout)
+    return res
+
+
+def records(run_dir: Path) -> dict[int, dict]:
+    """metrics.jsonl deduplicated by step (the last record wins), deterministic fields only."""
+    out = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        out[rec["step"]] = {k: rec[k] for k in DETERMINISTIC}
+    return out
+
+
+def steps_logged(run_dir: Path) -> list[int]:
+    return [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def one_error_line(res: subprocess.CompletedProcess) -> str:
+    assert res.returncode != 0
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1, res.stderr[-3000:]
+    assert "Traceback" not in res.stderr
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def single_base(tmp_path_factory) -> Path:
+    """The uninterrupted single-process 20-step run, saving every 5 steps (kept: all)."""
+    run = tmp_path_factory.mktemp("single") / "base"
+    _run(run, [*CKPT, "checkpoint.keep_last=0"])
+    return run
+
+
+# ---- exact resume ---------------------------------------------------------------------------------
+def test_single_stop_and_resume_is_bitwise(single_base, tmp_path):
+    run = tmp_path / "run"
+    first = _run(run, [*CKPT, "train.stop_after_steps=10"])
+    assert sorted(first) == list(range(1, 11))
+    assert [s for s, _ in d.list_complete(run / "checkpoints")] == [5, 10]
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step_10"
+    _run(run, CKPT)  # resume: auto
+    assert steps_logged(run) == list(range(1, 21))  # metrics.jsonl continues, nothing re-run
+    assert records(run) == records(single_base)  # bitwise: losses, grad norms, LRs, token counters
+    assert [s for s, _ in d.list_complete(run / "checkpoints")] == [15, 20]  # keep_last=2
+    state = json.loads((run / "checkpoints" / "step_20" / "train_state.json").read_text())
+    assert state["counters"] == {"step": 20, "samples_seen": 80, "tokens_seen": 20 * 4 * 16}
+    assert state["loader"]["step"] == 20
+
+
+def test_async_save_resume_is_bitwise(single_base, tmp_path):
+    run = tmp_path / "run"
+    _run(run, [*CKPT, "checkpoint.async_save=true", "train.stop_after_steps=10"])
+    assert [s for s, _ in d.list_complete(run / "checkpoints")] == [5, 10]
+    _run(run, [*CKPT, "checkpoint.async_save=true"])
+    assert records(run) == records(single_base)
+
+
+def test_explicit_load_path_into_a_new_run(single_base, tmp_path):
+    run = tmp_path / "new"
+    _run(run, [*CKPT, f"checkpoint.load_path={single_base}/checkpoints/step_10", "checkpoint.resume=never"])
+    assert steps_logged(run) == list(range(11, 21))
+    base = records(single_base)
+    assert records(run) == {s: base[s] for s in range(11, 21)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["ddp2", "fsdp2", "hsdp2x2"])
+def test_multiprocess_stop_and_resume_is_bitwise(tmp_path, layout):
+    base, run = tmp_path / "base", tmp_path / "run"
+    res = _cli(base, [f"parallel={layout}"])
+    assert res.returncode == 0, res.stderr[-3000:]
+    res = _cli(run, [f"parallel={layout}", *CKPT, "train.stop_after_steps=10"])
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert steps_logged(run) == list(range(1, 11))
+    res = _cli(run, [f"parallel={layout}", *CKPT])
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "resumed from" in res.stderr and "step_10" in res.stderr
+    assert steps_logged(run) == list(range(1, 21))
+    assert records(run) == records(base)  # steps 11-20 (and 1-10) bitwise equal
+
+
+@pytest.mark.slow
+def test_fsdp4_checkpoint_resumes_on_fsdp2_and_single(tmp_path):
+    """DCP reshards: a 4-way sharded checkpoint continues on 2 ranks and on 1 within 1e-5 of the uninterrupted run.
+    The fsdp4 run also exports HF at the end from its DTensors (gathered on rank 0)."""
+    base = tmp_path / "fsdp4"
+    res = _cli(base, ["parallel=fsdp4", *CKPT, "checkpoint.keep_last=0", "checkpoint.export_hf_at_end=true"])
+    assert res.returncode == 0, res.stderr[-3000:]
+    ref = read_losses(base)
+    step10 = base / "checkpoints" / "step_10"
+    assert sorted(p.name for p in step10.glob("*.distcp")) == [f"__{r}_0.distcp" for r in range(4)]
+    worst = {}
+    for layout in ("fsdp2", "single"):
+        run = tmp_path / layout
+        res = _cli(run, [f"parallel={layout}", *CKPT, f"checkpoint.load_path={step10}"])
+        assert res.returncode == 0, res.stderr[-3000:]
+        losses = read_losses(run)
+        assert sorted(losses) == list(range(11, 21))
+        worst[layout] = max(abs(losses[s] - ref[s]) for s in losses)
+    print("max |loss - uninterrupted fsdp4| over steps 11-20:", worst)
+    assert all(w <= 1e-5 for w in worst.values()), worst
+    # The end-of-run export (live DTensors, gathered) equals the offline export of the final checkpoint.
+    out = tmp_path / "offline"
+    res = run_cli([str(base / "checkpoints" / "step_20"), str(out)], cwd=tmp_path, module="hyperpar.export", timeout=300)
+    assert res.returncode == 0, res.stderr
+    _assert_same_hf(base / "hf", out)
+
+
+# ---- atomic saves ------------------------------------------------------------------------------------
+def test_save_killed_halfway_resumes_from_previous_complete(single_base, tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    res = _cli(run, CKPT, env={"HYPERPAR_TEST_KILL_IN_SAVE": "10"})
+    assert res.returncode == -9, res.stderr[-2000:]  # SIGKILL inside the save of step 10
+    ckpts = run / "checkpoints"
+    assert (ckpts / "step_10.tmp" / ".metadata").is_file()  # the data was written ...
+    assert not (ckpts / "step_10.tmp" / d.MARKER).exists()  # ... but never published
+    assert [s for s, _ in d.list_complete(ckpts)] == [5]
+    assert (ckpts / "latest").read_text().strip() == "step_5"
+    assert steps_logged(run) == list(range(1, 11))
+    _run(run, CKPT)  # resume: auto takes step_5, not the half-saved step_10
+    assert steps_logged(run) == list(range(1, 11)) + list(range(6, 21))
+    assert records(run) == records(single_base)
+    assert [s for s, _ in d.list_complete(ckpts)] == [15, 20]
+
+
+def test_directory_rules(tmp_path):
+    root = tmp_path / "checkpoints"
+    for step in (1, 2, 3, 4):
+        (root / f"step_{step}").mkdir(parents=True)
+        (root / f"step_{step}" / d.MARKER).write_text("{}")
+    (root / "step_9.tmp").mkdir()  # interrupted save
+    (root / "step_7").mkdir()  # no marker
+    (root / "step_7" / ".metadata").write_text("")
+    assert d.newest_complete(root) == root / "step_4"
+    assert d.prune(root, 2) == [root / "step_1", root / "step_2"]
+    assert sorted(p.name for p in root.iterdir()) == ["step_3", "step_4", "step_7", "step_9.tmp"]
+    assert d.resolve_load_path(tmp_path) == root / "step_4"  # a run dir: its newest complete checkpoint
+    with pytest.raises(CheckpointError, match="step_7' is incomplete"):
+        d.resolve_load_path(root / "step_7")
+    with pytest.raises(CheckpointError, match="step_9.tmp' is incomplete"):
+        d.resolve_load_path(root / "step_9.tmp")
+    assert d.prune(root, 0) == []  # keep_last=0 keeps all
+
+
+# ---- bad input: one line, non-zero exit, before any worker starts ------------------------------------
+def test_missing_load_path_is_one_line(tmp_path):
+    res = _cli(tmp_path / "run", [*CKPT, f"checkpoint.load_path={tmp_path}/nope"])
+    line = one_error_line(res)
+    assert line.startswith("checkpoint error: checkpoint.load_path") and "does not exist" in line, line
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+    with pytest.raises(CheckpointError, match="does not exist"):  # the worker's own check (torchrun path)
+        worker_main(compose_cfg([*SMALL, *CKPT, f"checkpoint.load_path={tmp_path}/nope"]), str(tmp_path / "w"))
+
+
+def test_checkpoint_of_another_geometry_is_one_line(single_base, tmp_path):
+    hf = tmp_path / "tiny"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps(TINY))
+    step10 = single_base / "checkpoints" / "step_10"
+    other = [f"model.hf_path={hf}", "model.load_weights=false", *CKPT, f"checkpoint.load_path={step10}"]
+    line = one_error_line(_cli(tmp_path / "run", other))
+    assert "does not match the model" in line, line
+    assert "model.model.embed_tokens.weight (2048, 128) in checkpoint != (1024, 64) expected" in line, line
+    assert "saved for qwen3_5 (flavor=debug)" in line, line
+    with pytest.raises(CheckpointError, match=r"wrong shape \d+: model\.model\.embed_tokens\.weight \(2048, 128\)"):
+        worker_main(compose_cfg([*SMALL, *other]), str(tmp_path / "w"))
+
+
+@pytest.mark.parametrize("victim", ["__0_0.distcp", ".metadata", "train_state.json"])
+def test_truncated_checkpoint_is_one_line(single_base, tmp_path, victim):
+    ckpt = tmp_path / "ckpt" / "step_10"
+    shutil.copytree(single_base / "checkpoints" / "step_10", ckpt)
+    f = ckpt / victim
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    line = one_error_line(_cli(tmp_path / "run", [*CKPT, f"checkpoint.load_path={ckpt}"]))
+    assert line.startswith("checkpoint error:") and "truncated" in line and victim in line, line
+    if victim == "__0_0.distcp":  # the worker refuses it too, before dcp.load touches it
+        with pytest.raises(CheckpointError, match="is truncated"):
+            worker_main(compose_cfg([*SMALL, *CKPT, f"checkpoint.load_path={ckpt}"]), str(tmp_path / "w"))
+
+
+# ---- Hugging Face export --------------------------------------------------------------------------------
+def _assert_same_hf(a: Path, b: Path) -> None:
+    from hyperpar.models import HFCheckpoint
+
+    with HFCheckpoint(a) as x, HFCheckpoint(b) as y:
+        assert x.config == y.config
+        assert sorted(x.keys()) == sorted(y.keys())
+        for k in x.keys():
+            assert torch.equal(x.read(k), y.read(k)), k
+
+
+def _transformers_matches(ours: torch.nn.Module, hf_dir: Path, vocab: int) -> float:
+    from transformers import Qwen3_5ForCausalLM
+
+    hf = Qwen3_5ForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    hf_sd = hf.state_dict()
+    for name, t in ours.state_dict().items():
+        assert torch.equal(hf_sd[name], t), name  # the export is lossless
+    ids = torch.randint(0, vocab, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        return (hf(input_ids=ids, use_cache=False).logits - ours.eval()(ids)).abs().max().item()
+
+
+def test_export_cli_reloads_in_transformers(single_base, tmp_path):
+    pytest.importorskip("transformers")
+    from hyperpar.checkpoint.hf_export import load_checkpoint_model
+
+    out = tmp_path / "hf"
+    res = run_cli([str(single_base), str(out), "--max-shard-size", "1MB"], cwd=tmp_path, module="hyperpar.export",
+                  timeout=300)  # a run dir: its newest complete checkpoint (step_20)
+    assert res.returncode == 0, res.stderr
+    files = sorted(p.name for p in out.iterdir())
+    assert "config.json" in files and "model.safetensors.index.json" in files
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"].values()) == {f for f in files if f.startswith("model-")} and len(index["weight_map"]) > 2
+    ours = load_checkpoint_model(single_base / "checkpoints" / "step_20")
+    diff = _transformers_matches(ours, out, vocab=2048)
+    print("export: max |logits transformers - ours| =", diff)
+    assert diff <= 1e-6
+
+
+def test_export_at_end_tied_geometry(tmp_path):
+    """export_hf_at_end for another geometry (tied embeddings, from an HF config.json) reloads in transformers."""
+    pytest.importorskip("transformers")
+    from hyperpar.checkpoint.hf_export import load_checkpoint_model
+
+    hf = tmp_path / "tiny"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps(TINY))
+    run = tmp_path / "run"
+    cfg = compose_cfg(["metrics.progress_bar=false", *SMALL, "train.steps=2", f"model.hf_path={hf}", "model.load_weights=false",
+                       "checkpoint=default", "checkpoint.export_hf_at_end=true"])
+    run_job(cfg, str(run))
+    assert sorted(p.name for p in (run / "hf").iterdir()) == ["config.json", "model.safetensors"]
+    assert json.loads((run / "hf" / "config.json").read_text())["tie_word_embeddings"] is True
+    ours = load_checkpoint_model(run / "checkpoints" / "step_2")  # next to the checkpoint: its config.yaml
+    assert ours.lm_head.weight is ours.model.embed_tokens.weight
+    assert _transformers_matches(ours, run / "hf", vocab=1024) <= 1e-6
+
+
+def test_export_bad_input_is_one_line(single_base, tmp_path):
+    line = one_error_line(run_cli([str(tmp_path / "nope"), str(tmp_path / "out")], cwd=tmp_path, module="hyperpar.export"))
+    assert line == f"checkpoint error: checkpoint '{tmp_path}/nope' does not exist (hint: give a checkpoints/step_<n> " \
+                   "directory or a run directory that has checkpoints)"
+    lonely = tmp_path / "lonely" / "step_5"
+    shutil.copytree(single_base / "checkpoints" / "step_5", lonely)
+    (lonely / "config.yaml").unlink()
+    line = one_error_line(run_cli([str(lonely), str(tmp_path / "out")], cwd=tmp_path, module="hyperpar.export"))
+    assert "no config.yaml next to" in line and "--config" in line, line
+    assert not (tmp_path / "out").exists()
