@@ -148,10 +148,20 @@ def run_worker(cfg_path: str, run_dir: str) -> dict[str, Any]:
     os.environ["HYPERPAR_WORKER"] = "1"
     cfg = OmegaConf.load(cfg_path)
     try:
-        return worker_main(cfg, run_dir)
+        result = worker_main(cfg, run_dir)
     except HyperparError as e:
         print(e.one_line(), file=sys.stderr)
         sys.exit(2)
+    if result.get("stop_reason") == "preempted":
+        # An agent that forwarded SIGTERM is shutting down and no longer tells workers that it has read
+        # their result: it would SIGKILL them after its shutdown timeout. The result is queued (the
+        # pipe keeps it) by the time this fires, so exiting 0 is safe whether or not the agent reads it.
+        import threading
+
+        timer = threading.Timer(2.0, os._exit, args=(0,))
+        timer.daemon = True
+        timer.start()
+    return result
 
 
 def _user_error(line: str) -> HyperparError:

@@ -230,8 +230,9 @@ def chat_spans(tokenizer: Any, messages: list[dict]) -> tuple[str, list[tuple[in
     """The rendered conversation and the character spans of its assistant turns.
 
     Turn i spans from the end of ``render(messages[:i], add_generation_prompt=True)`` to the end of
-    ``render(messages[:i + 1])``: the assistant's content and its end-of-turn token, never the role
-    header. Templates that re-render earlier turns differently (not prefix-stable) are rejected.
+    ``render(messages[:i + 1])``: the assistant's content, its end-of-turn token and whatever separator
+    the template puts after it, never the role header. Templates that re-render earlier turns
+    differently (not prefix-stable) are rejected.
     """
     if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):
         raise DataError("a chat sample must be a list of {role, content} messages")
@@ -372,8 +373,11 @@ def tokenized_docs(options: dict[str, Any], ctx: DataContext) -> TokenizedDocs:
         "format_version": CACHE_FORMAT,
         "data": _files_fingerprint(files) if files else f"hub:{options.get('path')}:{extra.get('name')}:{extra.get('revision')}",
         "tokenizer": _tokenizer_fingerprint(tokenizer_path),
-        **{k: options.get(k) for k in ("format", "split", "text_key", "chat", "max_samples")},
-        **{k: extra.get(k) for k in ("messages_key", "add_eos", "add_special_tokens")},
+        **{k: options.get(k) for k in ("format", "split", "chat", "max_samples")},
+        "text_key": options.get("text_key") or "text",
+        "messages_key": extra.get("messages_key") or "messages",
+        "add_eos": bool(extra.get("add_eos", True)),
+        "add_special_tokens": bool(extra.get("add_special_tokens", False)),
     }
     fingerprint = hashlib.blake2b(json.dumps(key, sort_keys=True).encode(), digest_size=12).hexdigest()
     root = options.get("cache_dir") or (os.path.join(ctx.run_dir, "data_cache") if ctx.run_dir else None)

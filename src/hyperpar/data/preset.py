@@ -41,7 +41,6 @@ grids, and the source's ``collate`` concatenates them across the micro-batch
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 from typing import Any
 
@@ -206,6 +205,16 @@ class _Shard:
             torch.cumsum(rows_per, 0, out=offsets[1:])
             self.vision[grid] = (grids, first, offsets)
         self.is_vl = bool(self.vision) or (self.position_ids is not None and self.position_ids.dim() == 3)
+        self.emit_mm = self.is_vl
+
+    def conform(self, pos_rows: int | None) -> None:
+        """Give a text-only file of a VL source what its VL rows carry, so any rows can share a micro-batch."""
+        if self.mm is None and not self.vision:
+            self.mm = torch.zeros_like(self.ids, dtype=torch.int32)
+        self.emit_mm = self.mm is not None
+        if self.position_ids is None and pos_rows is not None:
+            pos = torch.arange(self.seq).expand(self.n, self.seq)
+            self.position_ids = (pos if pos_rows == 1 else pos.unsqueeze(1).expand(self.n, pos_rows, self.seq)).contiguous()
 
     def _positions(self, pos: torch.Tensor | None) -> torch.Tensor | None:
         if pos is None:
@@ -243,7 +252,7 @@ class _Shard:
         out: dict[str, torch.Tensor] = {"input_ids": self.ids[r], "labels": self.labels[r]}
         if self.position_ids is not None:
             out["position_ids"] = self.position_ids[r]
-        if self.mm is not None and self.is_vl:
+        if self.mm is not None and self.emit_mm:
             out["mm_token_type_ids"] = self.mm[r]
         if s > seq_len:
             out = {k: v[..., :seq_len] for k, v in out.items()}
@@ -253,7 +262,7 @@ class _Shard:
             padded = {}
             for k, v in out.items():
                 if k == "position_ids":  # keep counting past the last position: never a target anyway
-                    tail = v[..., -1:].amax(dim=-1, keepdim=True) + 1 + torch.arange(extra)
+                    tail = v.amax(dim=-1, keepdim=True) + 1 + torch.arange(extra)
                     padded[k] = torch.cat([v, tail.expand(*v.shape[:-1], extra)], dim=-1)
                 else:
                     padded[k] = torch.cat([v, torch.full((extra,), fill[k], dtype=v.dtype)])
@@ -299,7 +308,12 @@ class PresetSource:
             raise DataError("the preset data has no rows")
         self.order = EpochOrder(self.rows, seed, shuffle)
         self.is_vl = any(sh.is_vl for sh in shards)
+        kinds = {1 if sh.position_ids.dim() == 2 else sh.position_ids.shape[1] for sh in shards if sh.position_ids is not None}
+        if len(kinds) > 1:
+            raise DataError(f"the preset files mix position_ids of {sorted(kinds)} rows")
         if self.is_vl:
+            for sh in shards:
+                sh.conform(next(iter(kinds), None))
             for sh in shards:
                 if sh.seq > seq_len:
                     raise DataError(f"{sh.path}: rows of {sh.seq} tokens do not fit train.seq_len={seq_len} "
@@ -341,4 +355,4 @@ def build_preset(options: dict, ctx: DataContext) -> PresetSource:
     return source
 
 
-__all__ = ["PresetSource", "build_preset", "preset_files", "os"]
+__all__ = ["PresetSource", "build_preset", "preset_files"]

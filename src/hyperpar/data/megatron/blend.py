@@ -212,7 +212,8 @@ def build_gpt_dataset(blend: BlendSpec | tuple[list[str], list[float] | None], n
                       ) -> GPTDataset | BlendedDataset:
     """One split of what megatron-core's BlendedMegatronDatasetBuilder builds for ``blend``.
 
-    One unweighted prefix -> a GPTDataset of ``num_samples``. Weights and a size -> each corpus
+    One unweighted prefix (or one weighted prefix with ``config.split=None``) -> a GPTDataset of
+    ``num_samples``. Weights and a size -> each corpus
     asks for ``ceil(ceil(N * w) * (1 + surplus))`` samples and the blend has ``sum(ceil(N * w))``.
     No weights -> one epoch per corpus, weighted by length, ``min(N, total)`` samples (all of them,
     exhaustively, when N is None).
@@ -225,7 +226,9 @@ def build_gpt_dataset(blend: BlendSpec | tuple[list[str], list[float] | None], n
     if weights is not None:
         weights = normalize(weights)
 
-    if len(prefixes) == 1 and weights is None:
+    # Upstream builds a 1-way blend for a weighted single prefix only under --data-path (a split
+    # string); per-split paths (our split=None: every sequence) always give a plain dataset.
+    if len(prefixes) == 1 and (weights is None or config.split is None):
         return GPTDataset.from_prefix(prefixes[0], config, num_samples, split)
 
     if weights is not None:

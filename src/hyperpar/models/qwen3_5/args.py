@@ -38,7 +38,7 @@ class Qwen3_5Args:
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     hidden_act: str = "silu"
-    max_position_embeddings: int = 262144
+    max_position_embeddings: int = 32768
     initializer_range: float = 0.02
     pad_token_id: int | None = None
     bos_token_id: int | None = None
@@ -200,6 +200,7 @@ def _real(hidden: int, layers: int, nh: int, nkv: int, inter: int, nv: int, tied
         partial_rotary_factor=0.25,
         mrope_section=[11, 11, 10],
         tie_word_embeddings=tied,
+        max_position_embeddings=262144,
     )
 
 

@@ -19,7 +19,7 @@ from hyperpar.models.layers import (
     SwiGLUMLP,
     init_param_by_module,
 )
-from hyperpar.models.qwen3_5.args import FULL, LINEAR, Qwen3_5Args
+from hyperpar.models.qwen3_5.args import LINEAR, Qwen3_5Args
 
 
 class Qwen3_5DecoderLayer(nn.Module):
@@ -72,6 +72,10 @@ class Qwen3_5DecoderLayer(nn.Module):
 
 
 class Qwen3_5TextModel(nn.Module):
+    """Embedding → decoder layers → final norm (``model.*`` in the checkpoint)."""
+
+    layer_cls = Qwen3_5DecoderLayer  # a MoE family swaps in its own block
+
     def __init__(self, args: Qwen3_5Args) -> None:
         super().__init__()
         self.embed_tokens: nn.Embedding | None = nn.Embedding(
@@ -83,8 +87,6 @@ class Qwen3_5TextModel(nn.Module):
         self.rotary_emb = RotaryEmbedding(
             args.head_dim, args.rope_theta, args.partial_rotary_factor, args.mrope_section
         )
-
-    layer_cls = Qwen3_5DecoderLayer
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids (B, S) token ids, or (B, S, H) hidden states when this stage has no embedding."""
