@@ -232,6 +232,16 @@ def test_truncated_checkpoint_is_one_line(single_base, tmp_path, victim):
             worker_main(compose_cfg([*SMALL, *CKPT, f"checkpoint.load_path={ckpt}"]), str(tmp_path / "w"))
 
 
+def test_worker_errors_keep_their_kind_in_the_driver():
+    from hyperpar.errors import ConfigError, TrainingError
+    from hyperpar.launch import _user_error
+
+    e = _user_error("checkpoint error: checkpoint file 'x' is truncated: 1 bytes (hint: use an earlier checkpoint)\n")
+    assert type(e) is CheckpointError and e.one_line() == "checkpoint error: checkpoint file 'x' is truncated: 1 bytes (hint: use an earlier checkpoint)"
+    assert type(_user_error("config error: bad key")) is ConfigError
+    assert type(_user_error("something odd")) is TrainingError
+
+
 # ---- Hugging Face export --------------------------------------------------------------------------------
 def _assert_same_hf(a: Path, b: Path) -> None:
     from hyperpar.models import HFCheckpoint
@@ -252,7 +262,8 @@ def _transformers_matches(ours: torch.nn.Module, hf_dir: Path, vocab: int) -> fl
         assert torch.equal(hf_sd[name], t), name  # the export is lossless
     ids = torch.randint(0, vocab, (2, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        return (hf(input_ids=ids, use_cache=False).logits - ours.eval()(ids)).abs().max().item()
+        out = ours.eval()(ids)
+        return (hf(input_ids=ids, use_cache=False).logits - getattr(out, "logits", out)).abs().max().item()
 
 
 def test_export_cli_reloads_in_transformers(single_base, tmp_path):

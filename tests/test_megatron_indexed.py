@@ -48,28 +48,28 @@ def test_round_trip(tmp_path: Path, dtype) -> None:
     prefix = write_corpus(tmp_path / "c", DOCS, dtype=dtype)
     ds = IndexedDataset(prefix)
     seqs = [s for doc in DOCS for s in doc]
-    assert len(ds) == len(seqs) == 7
+    assert len(ds) == len(seqs) == 6
     assert ds.dtype == np.dtype(dtype)
     assert ds.sequence_lengths.tolist() == [len(s) for s in seqs]
     assert ds.document_indices.tolist() == [0, 1, 1, 4, 5, 6]
     assert ds.document_count == 5
     for i, seq in enumerate(seqs):
         assert ds[i].tolist() == seq and ds[i].dtype == np.dtype(dtype)
-    assert ds[-4].tolist() == [9, 10]
-    assert [a.tolist() for a in ds[2:5]] == [[8], [], [9, 10]]
-    assert ds.get(5, offset=1, length=2).tolist() == [12, 13]
-    assert ds.get(5, offset=2).tolist() == [13, 14]
+    assert ds[-3].tolist() == [9, 10]
+    assert [a.tolist() for a in ds[1:4]] == [[8], [], [9, 10]]
+    assert ds.get(4, offset=1, length=2).tolist() == [12, 13]
+    assert ds.get(4, offset=2).tolist() == [13, 14]
     with pytest.raises(IndexError):
-        ds.get(5, offset=3, length=2)
+        ds.get(4, offset=3, length=2)
     with pytest.raises(IndexError):
-        ds[7]
+        ds[6]
     with pytest.raises(ValueError):
         ds[0:4:2]
 
 
 def test_reads_are_zero_copy_views(tmp_path: Path) -> None:
     ds = IndexedDataset(write_corpus(tmp_path / "c", DOCS))
-    seq = ds[5]
+    seq = ds[4]
     assert np.shares_memory(seq, ds.tokens)
     assert not seq.flags.writeable
 

@@ -38,13 +38,20 @@ def plain_model(spec, args) -> nn.Module:
     return model
 
 
-def load_full_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
-    """Copy a full (unsharded) state dict into ``model``; a tied alias may be absent."""
-    aliases = tied_aliases(model)
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [k for k in missing if not (k in aliases and aliases[k] in state)]
-    if missing or unexpected:
-        raise CheckpointError(f"state does not match the model: missing {missing[:3]}, unexpected {unexpected[:3]}")
+def assign_full_state(spec, args, state: dict[str, torch.Tensor]) -> nn.Module:
+    """A model on meta whose parameters become the tensors of a full state dict (no copy: the export's
+    peak memory is one full model). Non-persistent buffers stay on meta: enough to export, not to run."""
+    with torch.device("meta"):
+        model = spec.model_cls(args)
+    state = dict(state)
+    for alias, source in tied_aliases(model).items():
+        if alias not in state and source in state:
+            state[alias] = state[source]
+    try:
+        model.load_state_dict(state, strict=True, assign=True)
+    except RuntimeError as e:
+        raise CheckpointError(f"state does not match the model: {' '.join(str(e).split())[:300]}") from None
+    return model
 
 
 def write_hf(model: nn.Module, out_dir: str | Path, *, dtype: torch.dtype | None = None,
@@ -62,11 +69,11 @@ def export_live(model: nn.Module, out_dir: str | Path, *, rank: int, max_shard_s
     """Collective: gather full tensors from the DTensors to rank 0's CPU, which writes the HF directory."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+    # full_state_dict + cpu_offload: every rank takes part in each all-gather, only rank 0 keeps the result.
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank != 0:
         return None
-    plain = plain_model(spec_of(model), model.args)
-    load_full_state(plain, full)
+    plain = assign_full_state(spec_of(model), model.args, full)
     del full
     return write_hf(plain, out_dir, max_shard_size=max_shard_size)
 

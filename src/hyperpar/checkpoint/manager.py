@@ -92,7 +92,7 @@ class Checkpointer:
         self.resumed_from: Path | None = None
         self._pending: tuple[Any, int, Path] | None = None  # async: (future, step, tmp dir)
         self._async_group = None
-        if enabled and async_save and _dist():
+        if enabled and async_save and dist.is_available() and dist.is_initialized():
             # Background saves run their collectives on their own gloo group so they never interleave
             # with the training collectives of the default group.
             self._async_group = dist.new_group(backend="gloo")

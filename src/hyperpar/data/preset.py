@@ -285,8 +285,9 @@ def _vision_setting(ctx: DataContext, extra: dict, key: str, default: Any = None
         return extra[key]
     args = ctx.model_args
     for owner in (args, getattr(args, "vision", None), getattr(args, "vision_config", None)):
-        if owner is not None and getattr(owner, key, None) is not None:
-            return getattr(owner, key)
+        value = owner.get(key) if isinstance(owner, dict) else getattr(owner, key, None)
+        if value is not None:
+            return value
     return default
 
 

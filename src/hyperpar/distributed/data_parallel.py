@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Sequence
+
 from torch import nn
 
 from hyperpar.config import dtype_of
@@ -9,12 +11,26 @@ from hyperpar.distributed.activation_checkpoint import apply_activation_checkpoi
 from hyperpar.distributed.fsdp import apply_fsdp
 
 
-def apply_ac_and_dp(model: nn.Module, layers: nn.ModuleDict, parallel_dims, train_cfg) -> nn.Module:
-    apply_activation_checkpoint(layers, train_cfg.activation_checkpoint)
+def apply_ac_and_dp(
+    model: nn.Module,
+    layers: nn.ModuleDict,
+    parallel_dims,
+    train_cfg,
+    extra_blocks: Sequence[nn.ModuleDict] = (),
+) -> nn.Module:
+    """Checkpoint and shard every block of ``layers`` and of each ``extra_blocks`` container.
+
+    ``extra_blocks`` are stacks that run *before* ``layers`` in the forward (e.g. vision blocks ahead
+    of the text decoder): they become FSDP units of their own, and the last text layer stays the
+    last unit, whose parameters are kept gathered between forward and backward.
+    """
+    groups = [*extra_blocks, layers]
+    for group in groups:
+        apply_activation_checkpoint(group, train_cfg.activation_checkpoint)
     mp = train_cfg.mixed_precision
     apply_fsdp(
         model,
-        layers.values(),
+        [block for group in groups for block in group.values()],
         parallel_dims.fsdp_mesh(),
         param_dtype=dtype_of(mp.param_dtype),
         reduce_dtype=dtype_of(mp.reduce_dtype),

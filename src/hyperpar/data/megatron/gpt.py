@@ -175,8 +175,12 @@ class GPTDataset:
     def numel_low_level_dataset(low_level_dataset: IndexedDataset) -> int:
         return len(low_level_dataset)
 
+    @property
+    def _drop_last_partial(self) -> bool:
+        """Only a validation split may keep a final short sample (upstream's rule)."""
+        return self.index_split != Split.valid or self.config.drop_last_partial_validation_sequence
+
     def _cache(self) -> IndexCache:
-        drop_last = self.index_split != Split.valid or self.config.drop_last_partial_validation_sequence
         key = {
             "class": "GPTDataset",
             "format": _CACHE_FORMAT,
@@ -187,7 +191,7 @@ class GPTDataset:
             "random_seed": self.config.random_seed,
             "sequence_length": self.config.sequence_length,
             "add_extra_token_to_sequence": bool(self._extra),
-            "drop_last_partial_sequence": bool(drop_last),
+            "drop_last_partial_sequence": self._drop_last_partial,
         }
         info = {"dataset_path": os.path.abspath(self.dataset_path), "split": self.config.split}
         explicit = self.config.path_to_cache is not None
@@ -202,10 +206,9 @@ class GPTDataset:
             self.cache_dir = cache.directory
             return hit["document_index"], hit["sample_index"], hit["shuffle_index"]
         t0 = time.perf_counter()
-        drop_last = self.index_split != Split.valid or self.config.drop_last_partial_validation_sequence
         arrays = build_gpt_indices(self.dataset.sequence_lengths, self.indices, self.num_samples,
                                    self.config.sequence_length, self.config.random_seed,
-                                   self._extra, drop_last)
+                                   self._extra, self._drop_last_partial)
         log.info("built GPT indices for %s (%s, %d samples) in %.2fs", self.dataset_path,
                  self.index_split.name, arrays[1].shape[0] - 1, time.perf_counter() - t0)
         if cache.save(dict(zip(_INDEX_NAMES, arrays))):
@@ -222,13 +225,13 @@ class GPTDataset:
         j = int(self.shuffle_index[idx])
         p0, o0 = (int(v) for v in self.sample_index[j])
         p1, o1 = (int(v) for v in self.sample_index[j + 1])
-        tokens, starts = self.dataset.tokens, self.dataset.token_offsets
+        tokens, itemsize = self.dataset.tokens, self.dataset.dtype.itemsize
         seqs = self.document_index[p0:p1 + 1]
         if p0 == p1:
-            s = int(starts[seqs[0]])
+            s = int(self.dataset.sequence_pointers[seqs[0]]) // itemsize
             parts = [tokens[s + o0:s + o1 + self._extra]]
         else:
-            begin = starts[seqs].astype(np.int64)
+            begin = self.dataset.sequence_pointers[seqs] // itemsize
             end = begin + self.dataset.sequence_lengths[seqs]
             end[-1] = begin[-1] + o1 + self._extra
             begin[0] += o0

@@ -24,6 +24,7 @@ _MAGIC = b"MMIDIDX\x00\x00"
 _VERSION = 1
 _HEADER = struct.Struct("<9sQBQQ")  # magic, version, dtype code, S, D: 34 bytes, no padding
 HEADER_SIZE = _HEADER.size
+_CHUNK = 1 << 22
 
 # Codes 6 and 7 are float64 / float32 as in current megatron-core (7 was float64 before mid-2023).
 DTYPE_CODES: dict[int, np.dtype] = {
@@ -105,7 +106,6 @@ class IndexedDataset:
         # One flat token view over the whole .bin: a sequence is then a plain slice (no copy).
         self.tokens = np.frombuffer(_map_file(bin_path), dtype=self.dtype.newbyteorder("<"),
                                      count=bin_size // self.dtype.itemsize)
-        self.token_offsets = self.sequence_pointers // self.dtype.itemsize
 
     @staticmethod
     def _parse_header(idx: Any, idx_path: str) -> tuple[int, int, int]:
@@ -135,6 +135,8 @@ class IndexedDataset:
             return True
         if size == plain and want:
             raise DataError(f"{idx_path}: truncated (no sequence modes, but multimodal=True)")
+        if size == plain + s:
+            raise DataError(f"{idx_path}: holds sequence modes (a multimodal corpus), but multimodal=False")
         raise DataError(f"{idx_path}: {size - plain} unexpected trailing bytes after the index arrays")
 
     def _validate_arrays(self, s: int, bin_size: int, idx_path: str, bin_path: str) -> None:
@@ -142,21 +144,23 @@ class IndexedDataset:
         if docs[0] != 0 or docs[-1] != s:
             raise DataError(f"{idx_path}: document indices must run from 0 to the sequence count "
                             f"{s}, found {int(docs[0])}..{int(docs[-1])}")
-        if len(docs) > 1 and bool(np.any(docs[1:] < docs[:-1])):
-            raise DataError(f"{idx_path}: document indices are not non-decreasing")
-        if s == 0:
-            return
-        if int(lengths.min()) < 0:
-            raise DataError(f"{idx_path}: negative sequence length")
         itemsize = self.dtype.itemsize
-        if int(pointers.min()) < 0 or bool(np.any(pointers % itemsize)):
-            raise DataError(f"{idx_path}: sequence pointers not aligned to {itemsize}-byte tokens")
-        ends = pointers + lengths.astype(np.int64) * itemsize
-        last = int(ends.max())
-        if last > bin_size:
-            bad = int(np.argmax(ends > bin_size))
-            raise DataError(f"{idx_path}: sequence {bad} points past the end of {bin_path} "
-                            f"(needs {last} bytes, file has {bin_size})")
+        # In chunks, so opening a 100M-sequence corpus does not allocate gigabytes of temporaries.
+        for a in range(0, len(docs) - 1, _CHUNK):
+            part = docs[a:a + _CHUNK + 1]
+            if bool(np.any(part[1:] < part[:-1])):
+                raise DataError(f"{idx_path}: document indices are not non-decreasing")
+        for a in range(0, s, _CHUNK):
+            lens, ptrs = lengths[a:a + _CHUNK], pointers[a:a + _CHUNK]
+            if int(lens.min()) < 0:
+                raise DataError(f"{idx_path}: negative sequence length")
+            if int(ptrs.min()) < 0 or bool(np.any(ptrs % itemsize)):
+                raise DataError(f"{idx_path}: sequence pointers not aligned to {itemsize}-byte tokens")
+            ends = ptrs + lens.astype(np.int64) * itemsize
+            if int(ends.max()) > bin_size:
+                bad = a + int(np.argmax(ends > bin_size))
+                raise DataError(f"{idx_path}: sequence {bad} points past the end of {bin_path} "
+                                f"(needs {int(ends.max())} bytes, file has {bin_size})")
 
     # -- reading -------------------------------------------------------------------------------
 
@@ -184,7 +188,7 @@ class IndexedDataset:
             length = size - offset
         if offset < 0 or length < 0 or offset + length > size:
             raise IndexError(f"tokens [{offset}, {offset + length}) out of range for a sequence of {size}")
-        start = int(self.token_offsets[i]) + offset
+        start = int(self.sequence_pointers[i]) // self.dtype.itemsize + offset
         return self.tokens[start:start + length]
 
     @property
@@ -225,7 +229,10 @@ class IndexedDatasetBuilder:
         self._code = dtype_code(self.dtype)
         self.multimodal = multimodal
         self.bin_path = os.fspath(bin_path)
-        self._bin = open(self.bin_path, "wb")
+        # Written under a temporary name and renamed by finalize(): a process still mapping the old
+        # corpus keeps its file instead of faulting on a truncated one.
+        self._tmp_bin = f"{self.bin_path}.tmp{os.getpid()}"
+        self._bin = open(self._tmp_bin, "wb")
         # array.array keeps a 100M-sequence corpus at 4 + 8 bytes per entry instead of Python ints.
         self.sequence_lengths = array("i")
         self.document_indices = array("q", [0])
@@ -297,12 +304,14 @@ class IndexedDatasetBuilder:
         s = len(self.sequence_lengths)
         if self.document_indices[-1] != s:
             open_count = s - self.document_indices[-1]
+            os.unlink(self._tmp_bin)
             raise DataError(f"{self.bin_path}: {open_count} sequence(s) added after the last "
                             "end_document()", hint="close every document before finalize()")
         lengths = np.frombuffer(self.sequence_lengths, dtype=np.int32)
         pointers = np.zeros(s, dtype=np.int64)
         if s > 1:
             np.cumsum(lengths[:-1].astype(np.int64) * self.dtype.itemsize, out=pointers[1:])
+        os.replace(self._tmp_bin, self.bin_path)
         docs = np.frombuffer(self.document_indices, dtype=np.int64)
         tmp = f"{idx_path}.tmp{os.getpid()}"
         with open(tmp, "wb") as f:

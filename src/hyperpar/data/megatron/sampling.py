@@ -107,16 +107,17 @@ def build_sample_index(sequence_lengths: np.ndarray, document_index: np.ndarray,
     rows = np.zeros((n + 1, 2), dtype=np.int64 if wide else np.int32)
     if n == 0:
         return rows
-    lengths = np.asarray(sequence_lengths, dtype=np.int64)[document_index]
-    ends = np.cumsum(lengths)
+    ends = np.asarray(sequence_lengths)[document_index].astype(np.int64)
+    np.cumsum(ends, out=ends)  # in place: one int64 per position, however many epochs
     k = np.arange(1, n + 1, dtype=np.int64)
     owner = np.searchsorted(ends, k * seq_len + extra - 1, side="right")
     # Only a final partial sample (drop_last_partial=False) runs past the stream; upstream pins its
     # end row to the last position at offset length - extra.
     past = owner >= positions
     owner = np.minimum(owner, positions - 1)
-    offset = k * seq_len - (ends[owner] - lengths[owner])
-    offset[past] = lengths[-1] - extra
+    starts = np.where(owner > 0, ends[np.maximum(owner - 1, 0)], 0)
+    offset = k * seq_len - starts
+    offset[past] = int(sequence_lengths[document_index[-1]]) - extra
     rows[1:, 0] = owner
     rows[1:, 1] = offset
     return rows

@@ -1,4 +1,4 @@
-"""Building blocks shared by the model families (norms, rotary, attention, GatedDeltaNet, MLP)."""
+"""Building blocks shared by the model families (norms, rotary, attention, GatedDeltaNet, MLP, MoE)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,15 @@ from hyperpar.models.layers.gated_deltanet import (
     recurrent_gated_delta_rule,
 )
 from hyperpar.models.layers.mlp import SwiGLUMLP
+from hyperpar.models.layers.moe import (
+    GroupedExperts,
+    RouterStats,
+    SparseMoeBlock,
+    TopKRouter,
+    experts_forward,
+    load_balancing_loss,
+    record_router_stats,
+)
 from hyperpar.models.layers.norms import GatedRMSNorm, RMSNorm
 from hyperpar.models.layers.rope import RotaryEmbedding, apply_rotary
 
@@ -20,14 +29,21 @@ __all__ = [
     "Attention",
     "GatedDeltaNet",
     "GatedRMSNorm",
+    "GroupedExperts",
     "RMSNorm",
     "RotaryEmbedding",
+    "RouterStats",
+    "SparseMoeBlock",
     "SwiGLUMLP",
+    "TopKRouter",
     "apply_rotary",
     "attention_core",
     "causal_depthwise_conv1d",
     "chunk_gated_delta_rule",
+    "experts_forward",
     "init_param_by_module",
+    "load_balancing_loss",
+    "record_router_stats",
     "recurrent_gated_delta_rule",
 ]
 
@@ -56,21 +72,26 @@ def init_param_by_module(
     """Fill ``full`` (the full-shaped fp32 CPU tensor of parameter ``name``) in place.
 
     Dispatches on the owning module's type, mirroring transformers' ``_init_weights``: Linear /
-    Embedding / Conv weights ~ N(0, std), biases 0, norms at their identity value, GatedDeltaNet's
-    ``dt_bias`` = 1 and ``A_log`` = log U(0.01, 16). Embedding padding rows are zeroed.
+    Embedding / Conv weights ~ N(0, std), biases 0, norms (RMSNorm, LayerNorm) at their identity
+    value, GatedDeltaNet's ``dt_bias`` = 1 and ``A_log`` = log U(0.01, 16). Embedding padding rows
+    are zeroed.
     """
     *path, leaf = name.split(".")
     module = _owner(root, path)
     with torch.no_grad():
         if isinstance(module, (RMSNorm, GatedRMSNorm)):
             full.fill_(module.init_value())
+        elif isinstance(module, nn.LayerNorm) and leaf == "weight":
+            full.fill_(1.0)
         elif isinstance(module, GatedDeltaNet) and leaf == "dt_bias":
             full.fill_(1.0)
         elif isinstance(module, GatedDeltaNet) and leaf == "A_log":
             full.uniform_(0.01, 16.0, generator=gen).log_()
+        elif isinstance(module, GroupedExperts) or (isinstance(module, TopKRouter) and leaf == "weight"):
+            full.normal_(0.0, std, generator=gen)
         elif leaf == "bias":
             full.zero_()
-        elif isinstance(module, (nn.Linear, nn.Embedding, nn.Conv1d)) and leaf == "weight":
+        elif isinstance(module, (nn.Linear, nn.Embedding, nn.Conv1d, nn.Conv3d)) and leaf == "weight":
             full.normal_(0.0, std, generator=gen)
             if isinstance(module, nn.Embedding) and module.padding_idx is not None:
                 full[module.padding_idx].zero_()

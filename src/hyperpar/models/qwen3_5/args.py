@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from hyperpar.errors import ConfigError
 
@@ -86,37 +86,52 @@ class Qwen3_5Args:
 
     # --- Hugging Face config.json --------------------------------------------------------------
 
-    @classmethod
-    def from_hf_config(cls, d: dict[str, Any]) -> "Qwen3_5Args":
-        """From a ``qwen3_5_text`` config or a composite ``qwen3_5`` (VL) config with ``text_config``.
+    # transformers' class defaults for fields a config.json may omit (not the released values)
+    HF_DEFAULTS: ClassVar[dict[str, Any]] = {
+        "vocab_size": 248320,
+        "hidden_size": 4096,
+        "intermediate_size": 12288,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 4,
+    }
+    HF_MODEL_TYPE: ClassVar[str] = "qwen3_5_text"
+    HF_ARCHITECTURE: ClassVar[str] = "Qwen3_5ForCausalLM"
 
-        Absent fields take transformers' class defaults (not the released values), except that
-        tying follows the checkpoint's own class: a composite config ties by its top-level flag.
+    @staticmethod
+    def split_composite(d: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+        """(text config, tie_word_embeddings) of a text config or a composite (VL) config.
+
+        A composite config ties by its top-level flag (the ForConditionalGeneration class's rule,
+        MODELS.md 2.4); a text config by its own.
         """
-        text = d
-        tie = d.get("tie_word_embeddings", False)
-        if "text_config" in d or d.get("model_type") == "qwen3_5":
+        if "text_config" in d:
             if not isinstance(d.get("text_config"), dict):
-                raise ConfigError("qwen3_5 composite config.json has no text_config")
+                raise ConfigError(f"{d.get('model_type', 'composite')} config.json has no text_config")
             text = d["text_config"]
-            tie = d.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
+            return text, bool(d.get("tie_word_embeddings", text.get("tie_word_embeddings", False)))
+        return d, bool(d.get("tie_word_embeddings", False))
+
+    @classmethod
+    def hf_text_fields(cls, text: dict[str, Any]) -> dict[str, Any]:
+        """Constructor fields read from a text config (tying excluded)."""
+        dflt = cls.HF_DEFAULTS
         rope = dict(text.get("rope_parameters") or text.get("rope_scaling") or {})
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type != "default":
             raise ConfigError(f"qwen3_5: rope_type '{rope_type}' is not supported", hint="only 'default' is")
         if float(text.get("attention_dropout", 0.0) or 0.0) != 0.0:
             raise ConfigError("qwen3_5: attention_dropout > 0 is not supported")
-        num_layers = int(text.get("num_hidden_layers", 32))
+        num_layers = int(text.get("num_hidden_layers", dflt["num_hidden_layers"]))
         layer_types = text.get("layer_types") or interval_layer_types(
             num_layers, int(text.get("full_attention_interval", 4))
         )
-        return cls(
-            vocab_size=int(text.get("vocab_size", 248320)),
-            hidden_size=int(text.get("hidden_size", 4096)),
-            intermediate_size=int(text.get("intermediate_size", 12288)),
+        fields = dict(
+            vocab_size=int(text.get("vocab_size", dflt["vocab_size"])),
+            hidden_size=int(text.get("hidden_size", dflt["hidden_size"])),
             num_hidden_layers=num_layers,
-            num_attention_heads=int(text.get("num_attention_heads", 16)),
-            num_key_value_heads=int(text.get("num_key_value_heads", 4)),
+            num_attention_heads=int(text.get("num_attention_heads", dflt["num_attention_heads"])),
+            num_key_value_heads=int(text.get("num_key_value_heads", dflt["num_key_value_heads"])),
             head_dim=int(text.get("head_dim") or 256),
             rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
             layer_types=list(layer_types),
@@ -128,7 +143,6 @@ class Qwen3_5Args:
             rope_theta=float(rope.get("rope_theta", text.get("rope_theta", 10000.0))),
             partial_rotary_factor=float(rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25))),
             mrope_section=list(rope.get("mrope_section") or [11, 11, 10]),
-            tie_word_embeddings=bool(tie),
             attention_bias=bool(text.get("attention_bias", False)),
             hidden_act=str(text.get("hidden_act", "silu")),
             max_position_embeddings=int(text.get("max_position_embeddings", 32768)),
@@ -137,12 +151,27 @@ class Qwen3_5Args:
             bos_token_id=text.get("bos_token_id"),
             eos_token_id=text.get("eos_token_id"),
         )
+        if "intermediate_size" in dflt:
+            fields["intermediate_size"] = int(text.get("intermediate_size", dflt["intermediate_size"]))
+        return fields
+
+    @classmethod
+    def from_hf_config(cls, d: dict[str, Any]) -> "Qwen3_5Args":
+        """From a ``qwen3_5_text`` config or a composite ``qwen3_5`` (VL) config with ``text_config``.
+
+        Absent fields take transformers' class defaults (not the released values), except that
+        tying follows the checkpoint's own class: a composite config ties by its top-level flag.
+        """
+        if d.get("model_type") == "qwen3_5" and "text_config" not in d:
+            raise ConfigError("qwen3_5 composite config.json has no text_config")
+        text, tie = cls.split_composite(d)
+        return cls(**cls.hf_text_fields(text), tie_word_embeddings=tie)
 
     def to_hf_config(self) -> dict[str, Any]:
-        """A ``Qwen3_5ForCausalLM`` config.json with every field explicit."""
+        """A text-only (``*ForCausalLM``) config.json with every field explicit."""
         return {
-            "architectures": ["Qwen3_5ForCausalLM"],
-            "model_type": "qwen3_5_text",
+            "architectures": [self.HF_ARCHITECTURE],
+            "model_type": self.HF_MODEL_TYPE,
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,

@@ -27,9 +27,10 @@ class Qwen3_5DecoderLayer(nn.Module):
     (``linear_attn``) or gated attention (``self_attn``) by layer type. The unit for FSDP and
     activation checkpointing."""
 
-    def __init__(self, args: Qwen3_5Args, layer_idx: int) -> None:
+    def __init__(self, args: Qwen3_5Args, layer_idx: int, layer_type: str | None = None) -> None:
         super().__init__()
-        self.layer_type = args.layer_types[layer_idx]
+        # layer_type overrides the args' entry (an MTP block is a full-attention layer outside the stack)
+        self.layer_type = layer_type or args.layer_types[layer_idx]
         H, eps = args.hidden_size, args.rms_norm_eps
         self.input_layernorm = RMSNorm(H, eps, offset=True)
         if self.layer_type == LINEAR:
@@ -60,15 +61,22 @@ class Qwen3_5DecoderLayer(nn.Module):
         """The FFN; a MoE family overrides this."""
         return SwiGLUMLP(args.hidden_size, args.intermediate_size)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x: (B, S, H); cos/sin: (B, S, rot) from the model's rotary (unused by GDN layers)."""
+    def ffn(self, h: torch.Tensor, token_mask: torch.Tensor | None) -> torch.Tensor:
+        """The FFN on the normed hidden states; a MoE family passes ``token_mask`` to its router."""
+        return self.mlp(h)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, token_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """x: (B, S, H); cos/sin: (B, S, rot) from the model's rotary (unused by GDN layers);
+        token_mask: optional (B, S), nonzero = real token (only MoE router statistics read it)."""
         h = self.input_layernorm(x)
         if self.layer_type == LINEAR:
             h = self.linear_attn(h)
         else:
             h = self.self_attn(h, cos, sin)
         x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return x + self.ffn(self.post_attention_layernorm(x), token_mask)
 
 
 class Qwen3_5TextModel(nn.Module):
@@ -88,7 +96,12 @@ class Qwen3_5TextModel(nn.Module):
             args.head_dim, args.rope_theta, args.partial_rotary_factor, args.mrope_section
         )
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        token_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """input_ids (B, S) token ids, or (B, S, H) hidden states when this stage has no embedding."""
         h = self.embed_tokens(input_ids) if self.embed_tokens is not None else input_ids
         if position_ids is None:
@@ -96,7 +109,7 @@ class Qwen3_5TextModel(nn.Module):
             position_ids = torch.arange(S, device=h.device).unsqueeze(0).expand(B, S)
         cos, sin = self.rotary_emb(position_ids, h.dtype)
         for layer in self.layers.values():
-            h = layer(h, cos, sin)
+            h = layer(h, cos, sin, token_mask)
         if self.norm is not None:
             h = self.norm(h)
         return h
@@ -110,11 +123,12 @@ class Qwen3_5ForCausalLM(nn.Module):
     """
 
     block_cls = Qwen3_5DecoderLayer
+    text_model_cls = Qwen3_5TextModel  # a MoE family swaps in its own stack
 
     def __init__(self, args: Qwen3_5Args) -> None:
         super().__init__()
         self.args = args
-        self.model = Qwen3_5TextModel(args)
+        self.model = self.text_model_cls(args)
         self.lm_head: nn.Linear | None = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         self.tie_weights()
 
@@ -161,7 +175,7 @@ class Qwen3_5ForCausalLM(nn.Module):
         """
         a = self.args
         H, V = a.hidden_size, a.vocab_size
-        mlp = 3 * H * a.intermediate_size + 2 * H  # + the two decoder norms
+        mlp = self.ffn_active_params() + 2 * H  # + the two decoder norms
         nh, nkv, hd = a.num_attention_heads, a.num_key_value_heads, a.head_dim
         attn = H * 2 * nh * hd + 2 * H * nkv * hd + nh * hd * H + 2 * hd
         nk, nv, dk, dv, kc = (
@@ -178,4 +192,12 @@ class Qwen3_5ForCausalLM(nn.Module):
         gdn_macs = nv * (2 * C * dk + C * (dk + dv) / 2 + C * dv + 3 * dk * dv)
         return float(
             6 * params + 12 * a.num_full_layers * nh * hd * seq_len + 6 * a.num_linear_layers * gdn_macs
-        )
+        ) + self.extra_flops_per_token(seq_len)
+
+    def ffn_active_params(self) -> int:
+        """Parameters of one decoder layer's FFN that every token multiplies with."""
+        return 3 * self.args.hidden_size * self.args.intermediate_size
+
+    def extra_flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token outside the decoder stack and head (e.g. an MTP module)."""
+        return 0.0

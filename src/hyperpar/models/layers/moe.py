@@ -1,0 +1,402 @@
+"""Mixture of experts (MODELS.md 6): top-k router, packed experts run as grouped GEMMs, optional
+sigmoid-gated shared expert, and the router statistics the load-balancing loss is made of.
+
+Layout: ``experts.gate_up_proj`` (E, 2·Ie, H) with rows [gate Ie; up Ie] and ``experts.down_proj``
+(E, H, Ie) — transformers' in-memory layout, which is also the fastest one measured on CPU (the
+grouped GEMM reads the transposed view at no cost), so checkpoints load without conversion.
+
+Expert compute sits behind one function, ``experts_forward(x_sorted, counts, w_gate_up, w_down)``:
+rows arrive sorted by expert with a row count per expert, which is what an expert-parallel
+all-to-all produces, so expert parallelism can wrap ``GroupedExperts`` (or that function) without
+touching the router or the combine.
+
+Router statistics. The auxiliary loss pools f and P over *all* MoE layers of one forward call before
+the product (MODELS.md 6.3, 17), so no layer can form it. Every block computes its
+``RouterStats`` (per-expert top-k counts, per-expert probability sums, token count) on every forward
+— the same ops whether anyone listens or not, so activation-checkpoint recomputation replays the
+forward exactly — and appends them to the innermost ``record_router_stats()`` context if one is
+open. The model opens that context around its forward and calls ``load_balancing_loss`` on what was
+collected. Recomputation during backward runs outside the context and records nothing.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import Iterator, NamedTuple, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hyperpar.models.layers.mlp import SwiGLUMLP
+
+__all__ = [
+    "GroupedExperts",
+    "RouterStats",
+    "Routing",
+    "SparseMoeBlock",
+    "TopKRouter",
+    "experts_forward",
+    "grouped_mm_supported",
+    "load_balancing_loss",
+    "record_router_stats",
+    "router_stats",
+]
+
+
+# --- router statistics and the load-balancing loss ----------------------------------------------
+
+
+@dataclass
+class RouterStats:
+    """What one forward call's router(s) did; adding two pools them (layers, micro-batches, ranks)."""
+
+    counts: torch.Tensor  # (E,) fp32, no grad: top-k assignments per expert
+    prob_sum: torch.Tensor  # (E,) fp32: Σ over tokens of the softmax probability (carries the grad)
+    tokens: torch.Tensor  # () fp32: tokens counted (one per token per layer)
+
+    def __add__(self, other: "RouterStats") -> "RouterStats":
+        return RouterStats(self.counts + other.counts, self.prob_sum + other.prob_sum, self.tokens + other.tokens)
+
+    @staticmethod
+    def pool(stats: Sequence["RouterStats"]) -> "RouterStats":
+        if not stats:
+            raise ValueError("no router statistics to pool")
+        out = stats[0]
+        for s in stats[1:]:
+            out = out + s
+        return out
+
+
+def router_stats(probs: torch.Tensor, indices: torch.Tensor, token_mask: torch.Tensor | None = None) -> RouterStats:
+    """Statistics of one router call: probs (T, E) fp32 softmax, indices (T, k) chosen experts,
+    token_mask (T,) or any shape with T elements, nonzero = a real token (padding is left out)."""
+    T, E = probs.shape
+    k = indices.shape[-1]
+    flat = indices.reshape(-1)
+    if token_mask is None:
+        with torch.no_grad():
+            counts = torch.zeros(E, dtype=torch.float32, device=probs.device).index_add_(
+                0, flat, torch.ones(flat.numel(), dtype=torch.float32, device=probs.device)
+            )
+            tokens = torch.tensor(float(T), device=probs.device)
+        return RouterStats(counts, probs.float().sum(0), tokens)
+    if token_mask.numel() != T:
+        raise ValueError(f"token_mask has {token_mask.numel()} elements for {T} tokens")
+    m = token_mask.reshape(-1).to(device=probs.device, dtype=torch.float32)
+    with torch.no_grad():
+        counts = torch.zeros(E, dtype=torch.float32, device=probs.device).index_add_(0, flat, m.repeat_interleave(k))
+        tokens = m.sum()
+    return RouterStats(counts, (probs.float() * m.unsqueeze(-1)).sum(0), tokens)
+
+
+def load_balancing_loss(stats: RouterStats | Sequence[RouterStats]) -> torch.Tensor:
+    """``E · Σ_e f_e · P_e`` with ``f = counts / tokens`` and ``P = prob_sum / tokens``, pooled first.
+
+    Not multiplied by ``router_aux_loss_coef``. Equals k for perfectly uniform routing. For the
+    single-process value across ranks (or pipeline stages), all-reduce counts, prob_sum and tokens
+    (prob_sum with an autograd-aware collective) before calling this. No tokens → 0.
+    """
+    s = stats if isinstance(stats, RouterStats) else RouterStats.pool(list(stats))
+    rows = s.tokens.clamp_min(1.0)
+    return s.counts.numel() * torch.sum((s.counts / rows) * (s.prob_sum / rows))
+
+
+_ACTIVE_SINK: ContextVar[list[RouterStats] | None] = ContextVar("hyperpar_router_stats", default=None)
+
+
+@contextmanager
+def record_router_stats() -> Iterator[list[RouterStats]]:
+    """Collect the ``RouterStats`` of every MoE block that runs inside the block (nested contexts:
+    the innermost one collects)."""
+    sink: list[RouterStats] = []
+    token = _ACTIVE_SINK.set(sink)
+    try:
+        yield sink
+    finally:
+        _ACTIVE_SINK.reset(token)
+
+
+def _publish(stats: RouterStats) -> None:
+    sink = _ACTIVE_SINK.get()
+    if sink is not None:
+        sink.append(stats)
+
+
+# --- router -------------------------------------------------------------------------------------
+
+
+class Routing(NamedTuple):
+    logits: torch.Tensor  # (T, E) activation dtype (what transformers reports as router_logits)
+    probs: torch.Tensor  # (T, E) fp32 softmax over all experts
+    weights: torch.Tensor  # (T, k) activation dtype, renormalised if norm_topk_prob
+    indices: torch.Tensor  # (T, k) int64, by descending probability
+
+
+class TopKRouter(nn.Module):
+    """``mlp.gate``: logits = x·Wᵀ, softmax in fp32, top-k, optional renormalisation, cast back.
+
+    Qwen3.5-MoE and Qwen3-VL-MoE (transformers 5.24) always renormalise; ``norm_topk_prob=False``
+    keeps the raw top-k probabilities (the Qwen3-MoE option).
+    """
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, *, norm_topk_prob: bool = True) -> None:
+        super().__init__()
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"top_k {top_k} must be in [1, num_experts={num_experts}]")
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.norm_topk_prob = norm_topk_prob
+        self.weight = nn.Parameter(torch.zeros(num_experts, hidden_size))
+
+    def forward(self, x: torch.Tensor) -> Routing:
+        """x: (T, H)."""
+        logits = F.linear(x, self.weight)  # (T, E)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        top_p, top_i = torch.topk(probs, self.top_k, dim=-1)  # sorted, descending
+        if self.norm_topk_prob:
+            top_p = top_p / top_p.sum(dim=-1, keepdim=True)
+        return Routing(logits, probs, top_p.to(logits.dtype), top_i)
+
+    def extra_repr(self) -> str:
+        return f"experts={self.num_experts}, top_k={self.top_k}, norm_topk_prob={self.norm_topk_prob}"
+
+
+# --- expert compute -----------------------------------------------------------------------------
+
+
+def _aligned(*sizes_in_bytes: int) -> bool:
+    return all(s % 16 == 0 for s in sizes_in_bytes)
+
+
+def grouped_mm_supported(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> bool:
+    """Whether ``torch._grouped_mm`` can run this expert MLP here.
+
+    CPU: fp32 and bf16, forward and backward (a loop of mm per expert inside the kernel). CUDA: bf16
+    on sm80+. All kernels want 16-byte aligned row strides (H, Ie, 2·Ie). Anything else (fp16, NPU,
+    odd sizes) takes the sort-and-loop path, which gives the same numbers.
+    """
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    dev = x.device.type
+    dtype = w_gate_up.dtype
+    if x.dtype != dtype or w_down.dtype != dtype:
+        return False
+    if dev == "cpu":
+        ok_dtype = dtype in (torch.float32, torch.bfloat16)
+    elif dev == "cuda":
+        ok_dtype = dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (8, 0)
+    else:
+        return False
+    e = x.element_size()
+    H, Ie = w_down.shape[1], w_down.shape[2]
+    return ok_dtype and _aligned(H * e, Ie * e, 2 * Ie * e)
+
+
+class _GroupedLinear(torch.autograd.Function):
+    """``y[rows of e] = x[rows of e] · w[e]ᵀ`` for w (E, out, in), groups given by cumulative ends.
+
+    Own backward (also grouped GEMMs) because the built-in one rejects non-contiguous incoming
+    gradients (e.g. from ``y.sum()``).
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(x, w, offs)
+        return torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):  # type: ignore[override]
+        x, w, offs = ctx.saved_tensors
+        g = g.contiguous()
+        dx = torch._grouped_mm(g, w, offs=offs) if ctx.needs_input_grad[0] else None
+        # (out, N) x (N, in) grouped over N: one (out, in) block per expert, zeros for empty ones.
+        dw = torch._grouped_mm(g.t(), x, offs=offs) if ctx.needs_input_grad[1] else None
+        return dx, dw, None
+
+
+class _LoopLinear(torch.autograd.Function):
+    """Same as ``_GroupedLinear`` with one mm per non-empty expert on contiguous slices."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor, sizes: list[int]) -> torch.Tensor:  # type: ignore[override]
+        out = x.new_empty(x.shape[0], w.shape[1])
+        start = 0
+        for e, n in enumerate(sizes):
+            if n:
+                torch.mm(x[start : start + n], w[e].t(), out=out[start : start + n])
+            start += n
+        ctx.sizes = sizes
+        ctx.save_for_backward(x, w)
+        return out
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):  # type: ignore[override]
+        x, w = ctx.saved_tensors
+        g = g.contiguous()
+        dx = torch.empty_like(x) if ctx.needs_input_grad[0] else None
+        dw = torch.zeros_like(w) if ctx.needs_input_grad[1] else None
+        start = 0
+        for e, n in enumerate(ctx.sizes):
+            if n:
+                gs = g[start : start + n]
+                if dx is not None:
+                    torch.mm(gs, w[e], out=dx[start : start + n])
+                if dw is not None:
+                    torch.mm(gs.t(), x[start : start + n], out=dw[e])
+            start += n
+        return dx, dw, None
+
+
+def experts_forward(
+    x: torch.Tensor,
+    counts: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    *,
+    impl: str = "auto",
+) -> torch.Tensor:
+    """SwiGLU experts on rows sorted by expert.
+
+    x (N, H), rows of expert 0 first, then expert 1, …; counts (E,) integer rows per expert
+    (Σ = N, zeros allowed); w_gate_up (E, 2·Ie, H) rows [gate; up]; w_down (E, H, Ie).
+    Returns (N, H) in x's row order: ``down[e] · (silu(gate[e]·x) ⊙ up[e]·x)``.
+    impl: "grouped" (``torch._grouped_mm``), "loop" (one mm per non-empty expert) or "auto".
+    """
+    if impl == "auto":
+        impl = "grouped" if grouped_mm_supported(x, w_gate_up, w_down) else "loop"
+    if x.dtype != w_gate_up.dtype:  # e.g. fp32 activations reaching bf16 expert weights
+        x = x.to(w_gate_up.dtype)
+    if impl == "grouped":
+        offs = torch.cumsum(counts, 0, dtype=torch.int32)
+
+        def linear(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+            return _GroupedLinear.apply(a, w, offs)
+
+    elif impl == "loop":
+        sizes = [int(n) for n in counts.tolist()]  # the one host sync of this path
+
+        def linear(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+            return _LoopLinear.apply(a, w, sizes)
+
+    else:
+        raise ValueError(f"unknown experts impl '{impl}' (grouped | loop | auto)")
+    Ie = w_down.shape[-1]
+    gate_up = linear(x, w_gate_up)  # (N, 2·Ie)
+    h = F.silu(gate_up[:, :Ie]) * gate_up[:, Ie:]
+    return linear(h, w_down)
+
+
+class GroupedExperts(nn.Module):
+    """``mlp.experts``: E SwiGLU experts packed as 3-D parameters (no ``.weight`` suffix, HF names)."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, *, impl: str = "auto") -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.impl = impl
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+
+    def forward(self, x_sorted: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """x_sorted (N, H) grouped by expert, counts (E,) rows per expert → (N, H)."""
+        return experts_forward(x_sorted, counts, self.gate_up_proj, self.down_proj, impl=self.impl)
+
+    def extra_repr(self) -> str:
+        E, two_ie, H = self.gate_up_proj.shape
+        return f"experts={E}, hidden={H}, intermediate={two_ie // 2}, impl={self.impl}"
+
+
+# --- dispatch / combine -------------------------------------------------------------------------
+
+
+class _GatherRows(torch.autograd.Function):
+    """rows = x[token_of_row]: each token copied once per chosen expert, in expert order.
+
+    Backward gathers the k copies of each token back into (T, k, H) order and sums them, instead of
+    autograd's scatter-add (index_put with accumulate), which is slow on CPU.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, token_of_row: torch.Tensor, inv: torch.Tensor, k: int) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(inv)
+        ctx.k = k
+        return x.index_select(0, token_of_row)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):  # type: ignore[override]
+        (inv,) = ctx.saved_tensors
+        H = g.shape[-1]
+        return g.index_select(0, inv).view(-1, ctx.k, H).sum(1), None, None, None
+
+
+class _PermuteRows(torch.autograd.Function):
+    """y = x[idx] for a permutation idx; backward is the inverse permutation (a gather, not a scatter)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, idx: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(inv)
+        return x.index_select(0, idx)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):  # type: ignore[override]
+        (inv,) = ctx.saved_tensors
+        return g.index_select(0, inv), None, None
+
+
+def routed_experts(x: torch.Tensor, routing: Routing, experts: nn.Module) -> torch.Tensor:
+    """``Σ_slots w · expert(x)`` for x (T, H): sort the (token, slot) pairs by expert, run
+    ``experts(x_sorted, counts)``, weight in sorted order, restore (token, slot) order and sum the k
+    slots (transformers' grouped_mm order)."""
+    T, k = routing.indices.shape
+    E = experts.num_experts
+    flat = routing.indices.reshape(-1)  # (T·k,) slot s of token t at t·k + s
+    order = torch.argsort(flat, stable=True)  # sorted row j holds flat slot order[j]
+    inv = torch.empty_like(order)
+    inv[order] = torch.arange(order.numel(), device=order.device)
+    counts = torch.zeros(E, dtype=torch.int64, device=flat.device).index_add_(0, flat, torch.ones_like(flat))
+    x_sorted = _GatherRows.apply(x, order // k, inv, k)
+    y = experts(x_sorted, counts)  # (T·k, H)
+    y = y * routing.weights.reshape(-1).index_select(0, order).unsqueeze(-1).to(y.dtype)
+    return _PermuteRows.apply(y, inv, order).view(T, k, -1).sum(1).to(x.dtype)
+
+
+class SparseMoeBlock(nn.Module):
+    """``mlp`` of a MoE decoder layer: routed experts, plus ``sigmoid(x·w_sg) · shared_expert(x)``
+    when ``shared_expert_intermediate_size`` > 0 (Qwen3.5-MoE; Qwen3-VL-MoE has none).
+
+    forward(x (..., H), token_mask=None) → (..., H). token_mask (same leading shape, nonzero =
+    real token) only affects the router statistics this block publishes (padding left out).
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_experts: int,
+        top_k: int,
+        moe_intermediate_size: int,
+        shared_expert_intermediate_size: int = 0,
+        *,
+        norm_topk_prob: bool = True,
+        experts_impl: str = "auto",
+    ) -> None:
+        super().__init__()
+        self.hidden_size = hidden_size
+        self.gate = TopKRouter(hidden_size, num_experts, top_k, norm_topk_prob=norm_topk_prob)
+        self.experts = GroupedExperts(num_experts, hidden_size, moe_intermediate_size, impl=experts_impl)
+        self.shared_expert: SwiGLUMLP | None = None
+        self.shared_expert_gate: nn.Linear | None = None
+        if shared_expert_intermediate_size:
+            self.shared_expert = SwiGLUMLP(hidden_size, shared_expert_intermediate_size)
+            self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
+
+    def forward(self, x: torch.Tensor, token_mask: torch.Tensor | None = None) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, self.hidden_size)  # (T, H)
+        routing = self.gate(x)
+        _publish(router_stats(routing.probs, routing.indices, token_mask))
+        out = routed_experts(x, routing, self.experts)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out.view(shape)

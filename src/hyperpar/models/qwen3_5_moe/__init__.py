@@ -1,0 +1,50 @@
+"""Qwen3.5-MoE: registers ``qwen3_5_moe`` (text; loads text and VL checkpoints, ignoring the vision
+tower) and, when the shared vision tower is available, ``qwen3_5_moe_vl``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from hyperpar.models.qwen3_5_moe.args import FLAVORS, Qwen3_5MoeArgs
+from hyperpar.models.qwen3_5_moe.model import (
+    Qwen3_5MoeDecoderLayer,
+    Qwen3_5MoeForCausalLM,
+    Qwen3_5MoeMTP,
+    Qwen3_5MoeTextModel,
+)
+from hyperpar.models.qwen3_5_moe.state_dict import Qwen3_5MoeStateDictAdapter
+from hyperpar.models.spec import ModelSpec, register_model
+
+
+def _parallelize(model: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
+    # Imported on call: distributed code that building or loading a model does not need.
+    from hyperpar.models.qwen3_5_moe.parallelize import parallelize_qwen3_5_moe
+
+    return parallelize_qwen3_5_moe(model, *args, **kwargs)
+
+
+SPEC = register_model(
+    ModelSpec(
+        name="qwen3_5_moe",
+        args_cls=Qwen3_5MoeArgs,
+        flavors=FLAVORS,
+        model_cls=Qwen3_5MoeForCausalLM,
+        parallelize=_parallelize,
+        adapter=Qwen3_5MoeStateDictAdapter,
+        hf_model_types=("qwen3_5_moe_text", "qwen3_5_moe"),
+        default_data="dummy",
+    )
+)
+
+__all__ = [
+    "FLAVORS",
+    "SPEC",
+    "Qwen3_5MoeArgs",
+    "Qwen3_5MoeDecoderLayer",
+    "Qwen3_5MoeForCausalLM",
+    "Qwen3_5MoeMTP",
+    "Qwen3_5MoeStateDictAdapter",
+    "Qwen3_5MoeTextModel",
+]

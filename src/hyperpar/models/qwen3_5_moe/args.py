@@ -1,0 +1,161 @@
+"""Qwen3.5-MoE text geometry (MODELS.md 2.1, 2.7, 11): the dense args plus experts and MTP."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from hyperpar.errors import ConfigError
+from hyperpar.models.qwen3_5.args import FULL, LINEAR, Qwen3_5Args, interval_layer_types
+
+
+@dataclass
+class Qwen3_5MoeArgs(Qwen3_5Args):
+    # Dense fields keep their meaning; intermediate_size is unused (every layer is MoE).
+    hidden_size: int = 2048
+    intermediate_size: int = 0
+    num_hidden_layers: int = 40
+    num_key_value_heads: int = 2
+    num_experts: int = 256
+    num_experts_per_tok: int = 8
+    moe_intermediate_size: int = 512
+    shared_expert_intermediate_size: int = 512
+    norm_topk_prob: bool = True  # Qwen3.5-MoE always renormalises; kept for configs that say otherwise
+    router_aux_loss_coef: float = 0.001
+    # Multi-token prediction (MODELS.md 11): mtp.* modules are built when ≥ 1 (depth-1 prediction
+    # uses mtp.layers.0; further layers are carried through load/export). mtp_loss_weight is a
+    # training choice (model.mtp_loss_weight): mtp_logits are produced only when it is > 0.
+    mtp_num_hidden_layers: int = 0
+    mtp_loss_weight: float = 0.0
+    experts_impl: str = "auto"  # grouped | loop | auto (not a checkpoint field)
+
+    HF_DEFAULTS: ClassVar[dict[str, Any]] = {
+        "vocab_size": 248320,
+        "hidden_size": 2048,
+        "num_hidden_layers": 40,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 2,
+    }
+    HF_MODEL_TYPE: ClassVar[str] = "qwen3_5_moe_text"
+    HF_ARCHITECTURE: ClassVar[str] = "Qwen3_5MoeForCausalLM"
+
+    def validate(self) -> None:
+        super().validate()
+
+        def bad(msg: str, hint: str | None = None) -> ConfigError:
+            return ConfigError(f"qwen3_5_moe: {msg}", hint=hint)
+
+        if self.num_experts < 1 or not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise bad(f"num_experts_per_tok {self.num_experts_per_tok} must be in [1, num_experts={self.num_experts}]")
+        if self.moe_intermediate_size < 1 or self.shared_expert_intermediate_size < 0:
+            raise bad("moe_intermediate_size must be ≥ 1 and shared_expert_intermediate_size ≥ 0")
+        if self.mtp_num_hidden_layers < 0 or self.mtp_loss_weight < 0:
+            raise bad("mtp_num_hidden_layers and mtp_loss_weight must be ≥ 0")
+        if self.mtp_loss_weight > 0 and self.mtp_num_hidden_layers < 1:
+            raise bad(
+                f"mtp_loss_weight={self.mtp_loss_weight} but the model has no MTP module",
+                hint="set mtp_num_hidden_layers ≥ 1 (a checkpoint with mtp.* weights has it) or model.mtp_loss_weight=0",
+            )
+        if self.experts_impl not in ("auto", "grouped", "loop"):
+            raise bad(f"experts_impl '{self.experts_impl}' is not one of auto, grouped, loop")
+
+    @property
+    def mtp_enabled(self) -> bool:
+        return self.mtp_num_hidden_layers > 0 and self.mtp_loss_weight > 0
+
+    @classmethod
+    def hf_text_fields(cls, text: dict[str, Any]) -> dict[str, Any]:
+        fields = super().hf_text_fields(text)
+        fields.update(
+            num_experts=int(text.get("num_experts", 256)),
+            num_experts_per_tok=int(text.get("num_experts_per_tok", 8)),
+            moe_intermediate_size=int(text.get("moe_intermediate_size", 512)),
+            shared_expert_intermediate_size=int(text.get("shared_expert_intermediate_size", 512)),
+            norm_topk_prob=bool(text.get("norm_topk_prob", True)),
+            router_aux_loss_coef=float(text.get("router_aux_loss_coef", 0.001)),
+            mtp_num_hidden_layers=int(text.get("mtp_num_hidden_layers", 0) or 0),
+        )
+        return fields
+
+    @classmethod
+    def from_hf_config(cls, d: dict[str, Any]) -> "Qwen3_5MoeArgs":
+        """From a ``qwen3_5_moe_text`` config or a composite ``qwen3_5_moe`` (VL) config (its text part;
+        ``mtp_num_hidden_layers`` may sit in either level)."""
+        if d.get("model_type") == "qwen3_5_moe" and "text_config" not in d:
+            raise ConfigError("qwen3_5_moe composite config.json has no text_config")
+        text, tie = cls.split_composite(d)
+        if "mtp_num_hidden_layers" not in text and "mtp_num_hidden_layers" in d:
+            text = {**text, "mtp_num_hidden_layers": d["mtp_num_hidden_layers"]}
+        return cls(**cls.hf_text_fields(text), tie_word_embeddings=tie)
+
+    def to_hf_config(self) -> dict[str, Any]:
+        out = super().to_hf_config()
+        del out["intermediate_size"]
+        out.update(
+            num_experts=self.num_experts,
+            num_experts_per_tok=self.num_experts_per_tok,
+            moe_intermediate_size=self.moe_intermediate_size,
+            shared_expert_intermediate_size=self.shared_expert_intermediate_size,
+            router_aux_loss_coef=self.router_aux_loss_coef,
+            output_router_logits=False,
+        )
+        if not self.norm_topk_prob:  # transformers' Qwen3.5-MoE cannot express this; keep it for us
+            out["norm_topk_prob"] = False
+        if self.mtp_num_hidden_layers:  # not a transformers field; inference engines read it
+            out["mtp_num_hidden_layers"] = self.mtp_num_hidden_layers
+        return out
+
+
+FLAVORS: dict[str, Qwen3_5MoeArgs] = {
+    # ~2.3M parameters, CPU-fast: both layer types in each half, E 8 / k 2, Ie ≠ Is ≠ H, dk ≠ dv,
+    # nv = 2·nk, one MTP layer (trained only with model.mtp_loss_weight > 0).
+    "debug": Qwen3_5MoeArgs(
+        vocab_size=2048,
+        hidden_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        layer_types=[LINEAR, FULL, LINEAR, FULL],
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=32,
+        linear_value_head_dim=64,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        rope_theta=1e7,
+        partial_rotary_factor=0.25,
+        mrope_section=[3, 3, 2],
+        tie_word_embeddings=False,
+        max_position_embeddings=4096,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=96,
+        shared_expert_intermediate_size=64,
+        mtp_num_hidden_layers=1,
+    ),
+    # Qwen3.5-35B-A3B (MODELS.md 2.7; read the checkpoint's config.json for the authoritative values).
+    "35b_a3b": Qwen3_5MoeArgs(
+        vocab_size=248320,
+        hidden_size=2048,
+        num_hidden_layers=40,
+        num_attention_heads=16,
+        num_key_value_heads=2,
+        head_dim=256,
+        layer_types=interval_layer_types(40, 4),
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_num_key_heads=16,
+        linear_num_value_heads=32,
+        rope_theta=1e7,
+        partial_rotary_factor=0.25,
+        mrope_section=[11, 11, 10],
+        tie_word_embeddings=False,
+        max_position_embeddings=262144,
+        num_experts=256,
+        num_experts_per_tok=8,
+        moe_intermediate_size=512,
+        shared_expert_intermediate_size=512,
+        mtp_num_hidden_layers=1,
+    ),
+}

@@ -1,0 +1,162 @@
+"""Qwen3.5-MoE text model (``Qwen3_5MoeForCausalLM``): the dense Qwen3.5 stack with the sparse MoE
+block as the FFN of every layer, plus the optional multi-token-prediction module ``mtp.*``.
+
+Parameter names are transformers' (``model.layers.{i}.mlp.gate.weight``,
+``mlp.experts.gate_up_proj`` …); ``mtp.*`` follows the released checkpoints (MODELS.md 11).
+
+forward returns ``ModelOutput(logits, aux_loss, mtp_logits)``:
+- ``aux_loss`` = ``router_aux_loss_coef`` × the load-balancing loss with f and P pooled over every
+  MoE layer that ran in this call (MODELS.md 6.3; the MTP layer's router counts too when MTP runs),
+  padding excluded when ``attention_mask`` is given;
+- ``mtp_logits`` (B, S−1, V), only when ``mtp_loss_weight`` > 0: position t sees the main model's
+  final hidden state at t (after the final norm, the one ``lm_head`` reads — the inference
+  engines' convention) and the embedding of token t+1, and predicts token t+2, i.e. the
+  pre-shifted ``labels[:, t + 1]``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hyperpar.models.layers import RMSNorm, SparseMoeBlock, load_balancing_loss, record_router_stats
+from hyperpar.models.output import ModelOutput
+from hyperpar.models.qwen3_5.args import FULL
+from hyperpar.models.qwen3_5.model import Qwen3_5DecoderLayer, Qwen3_5ForCausalLM, Qwen3_5TextModel
+from hyperpar.models.qwen3_5_moe.args import Qwen3_5MoeArgs
+
+
+class Qwen3_5MoeDecoderLayer(Qwen3_5DecoderLayer):
+    """The dense block with ``mlp`` = routed experts + sigmoid-gated shared expert."""
+
+    def build_mlp(self, args: Qwen3_5MoeArgs) -> nn.Module:  # type: ignore[override]
+        return SparseMoeBlock(
+            args.hidden_size,
+            args.num_experts,
+            args.num_experts_per_tok,
+            args.moe_intermediate_size,
+            args.shared_expert_intermediate_size,
+            norm_topk_prob=args.norm_topk_prob,
+            experts_impl=args.experts_impl,
+        )
+
+    def ffn(self, h: torch.Tensor, token_mask: torch.Tensor | None) -> torch.Tensor:
+        return self.mlp(h, token_mask)
+
+
+class Qwen3_5MoeTextModel(Qwen3_5TextModel):
+    layer_cls = Qwen3_5MoeDecoderLayer
+
+
+def shift_positions(position_ids: torch.Tensor | None, B: int, S: int, device: torch.device) -> torch.Tensor:
+    """Positions of tokens 1..S−1 (the tokens the MTP step reads), in any accepted format."""
+    if position_ids is None:
+        return torch.arange(1, S, device=device).unsqueeze(0).expand(B, S - 1)
+    return position_ids[..., 1:]
+
+
+class Qwen3_5MoeMTP(nn.Module):
+    """``mtp.*``: ``h = fc([norm_e(embed(x_{t+1})); norm_h(hidden_t)])`` → full-attention MoE decoder
+    layer → ``norm``; the caller applies the shared ``lm_head``. All norms are offset norms."""
+
+    def __init__(self, args: Qwen3_5MoeArgs) -> None:
+        super().__init__()
+        H, eps = args.hidden_size, args.rms_norm_eps
+        self.pre_fc_norm_embedding = RMSNorm(H, eps, offset=True)
+        self.pre_fc_norm_hidden = RMSNorm(H, eps, offset=True)
+        self.fc = nn.Linear(2 * H, H, bias=False)  # input order: [embedding; hidden]
+        self.layers = nn.ModuleDict(
+            {str(n): Qwen3_5MoeDecoderLayer(args, 0, layer_type=FULL) for n in range(args.mtp_num_hidden_layers)}
+        )
+        self.norm = RMSNorm(H, eps, offset=True)
+
+    def forward(
+        self,
+        next_embeds: torch.Tensor,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        token_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """next_embeds: embeddings of tokens 1..S−1, hidden: main final hidden states 0..S−2, both
+        (B, S−1, H); cos/sin for the positions of tokens 1..S−1. Returns (B, S−1, H) normed."""
+        h = self.fc(torch.cat([self.pre_fc_norm_embedding(next_embeds), self.pre_fc_norm_hidden(hidden)], dim=-1))
+        h = self.layers["0"](h, cos, sin, token_mask)
+        return self.norm(h)
+
+
+class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
+    """``forward(input_ids, position_ids=None, attention_mask=None) -> ModelOutput``.
+
+    attention_mask (B, S), 1 = real token, only removes padding from the router statistics:
+    padding must be on the right (causal layers never let it reach a real token). Without an
+    ``lm_head`` (a pipeline stage) forward returns the hidden states like the dense model.
+    """
+
+    block_cls = Qwen3_5MoeDecoderLayer
+    text_model_cls = Qwen3_5MoeTextModel
+
+    def __init__(self, args: Qwen3_5MoeArgs) -> None:
+        super().__init__(args)
+        self.mtp: Qwen3_5MoeMTP | None = Qwen3_5MoeMTP(args) if args.mtp_num_hidden_layers > 0 else None
+
+    @property
+    def mtp_active(self) -> bool:
+        return (
+            self.args.mtp_loss_weight > 0
+            and self.mtp is not None
+            and self.lm_head is not None
+            and self.model.embed_tokens is not None
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> ModelOutput | torch.Tensor:
+        with record_router_stats() as stats:
+            h = self.model(input_ids, position_ids, attention_mask)
+            if self.lm_head is None:
+                return h
+            logits = self.lm_head(h)
+            mtp_logits = None
+            if self.mtp_active:
+                next_embeds = self.model.embed_tokens(input_ids[:, 1:])
+                mtp_logits = self.lm_head(self.mtp_hidden(next_embeds, h[:, :-1], position_ids, attention_mask))
+        aux = self.args.router_aux_loss_coef * load_balancing_loss(stats) if stats else None
+        return ModelOutput(logits=logits, aux_loss=aux, mtp_logits=mtp_logits)
+
+    def mtp_hidden(
+        self,
+        next_embeds: torch.Tensor,
+        hidden: torch.Tensor,
+        position_ids: torch.Tensor | None,
+        attention_mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """The MTP module on (B, S−1, H) inputs; positions and mask are the full-sequence ones."""
+        B, S1 = next_embeds.shape[:2]
+        pos = shift_positions(position_ids, B, S1 + 1, next_embeds.device)
+        cos, sin = self.model.rotary_emb(pos, next_embeds.dtype)
+        mask = attention_mask[:, 1:] if attention_mask is not None else None
+        return self.mtp(next_embeds, hidden, cos, sin, mask)
+
+    # --- framework hooks -------------------------------------------------------------------------
+
+    def ffn_active_params(self) -> int:
+        a = self.args
+        H = a.hidden_size
+        routed = a.num_experts_per_tok * 3 * H * a.moe_intermediate_size
+        shared = 3 * H * a.shared_expert_intermediate_size + (H if a.shared_expert_intermediate_size else 0)
+        return H * a.num_experts + routed + shared  # router + active experts + shared expert and gate
+
+    def extra_flops_per_token(self, seq_len: int) -> float:
+        """The MTP step when it trains: fc, one full-attention MoE layer, norms and a second lm_head."""
+        if not self.args.mtp_enabled:
+            return 0.0
+        a = self.args
+        H, V = a.hidden_size, a.vocab_size
+        nh, nkv, hd = a.num_attention_heads, a.num_key_value_heads, a.head_dim
+        attn = H * 2 * nh * hd + 2 * H * nkv * hd + nh * hd * H + 2 * hd
+        params = 2 * H * H + 3 * H + attn + self.ffn_active_params() + 2 * H + V * H
+        return float(6 * params + 12 * nh * hd * seq_len)

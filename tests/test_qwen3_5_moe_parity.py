@@ -1,0 +1,463 @@
+"""Qwen3.5-MoE text: logits, loss, gradients and aux loss equal to transformers'
+Qwen3_5MoeForCausalLM (fp32); HF import/export in every expert key form; the MTP module."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+
+from hyperpar.errors import ConfigError
+from hyperpar.models import from_hf, to_hf
+from hyperpar.models.output import ModelOutput
+from hyperpar.models.qwen3_5_moe import (
+    FLAVORS,
+    Qwen3_5MoeArgs,
+    Qwen3_5MoeForCausalLM,
+    Qwen3_5MoeStateDictAdapter,
+)
+from hyperpar.models.spec import get_model_spec, spec_for_hf_model_type
+
+transformers = pytest.importorskip("transformers")
+
+torch.set_num_threads(1)
+
+# tiny_configs/qwen3_5_moe_causal_lm.json (MODELS.md 14): L F L F, E 8, k 2, Ie 48 ≠ Is 32, untied.
+TINY = {
+    "architectures": ["Qwen3_5MoeForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": None,
+    "dtype": "float32",
+    "eos_token_id": None,
+    "head_dim": 64,
+    "hidden_act": "silu",
+    "hidden_size": 64,
+    "initializer_range": 0.02,
+    "layer_types": ["linear_attention", "full_attention", "linear_attention", "full_attention"],
+    "linear_conv_kernel_dim": 4,
+    "linear_key_head_dim": 16,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_value_head_dim": 32,
+    "max_position_embeddings": 4096,
+    "model_type": "qwen3_5_moe_text",
+    "moe_intermediate_size": 48,
+    "num_attention_heads": 4,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "num_hidden_layers": 4,
+    "num_key_value_heads": 2,
+    "output_router_logits": False,
+    "pad_token_id": None,
+    "rms_norm_eps": 1e-06,
+    "rope_parameters": {
+        "mrope_interleaved": True,
+        "mrope_section": [3, 3, 2],
+        "partial_rotary_factor": 0.25,
+        "rope_theta": 10000000.0,
+        "rope_type": "default",
+    },
+    "router_aux_loss_coef": 0.001,
+    "shared_expert_intermediate_size": 32,
+    "tie_word_embeddings": False,
+    "transformers_version": "5.24.0",
+    "use_cache": True,
+    "vocab_size": 1024,
+}
+
+
+def tiny(**changes) -> dict:
+    cfg = copy.deepcopy(TINY)
+    cfg.update(changes)
+    return cfg
+
+
+def make_hf(cfg: dict, seed: int = 0):
+    """transformers model with non-trivial norms, decays and routers (zero-init offset norms and
+    near-uniform routers would hide bugs)."""
+    from transformers import Qwen3_5MoeForCausalLM as HFModel
+    from transformers import Qwen3_5MoeTextConfig
+
+    torch.manual_seed(seed)
+    model = HFModel(Qwen3_5MoeTextConfig(**cfg)).float().train()
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or "A_log" in name or "dt_bias" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+            elif name.endswith("mlp.gate.weight"):
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+    return model
+
+
+def load_into_ours(sd_read, cfg: dict, **arg_changes) -> Qwen3_5MoeForCausalLM:
+    """Our model built on meta, materialised, and loaded through the adapter (``sd_read(key)``)."""
+    args = Qwen3_5MoeArgs.from_hf_config(cfg)
+    if arg_changes:
+        args = args.replace(**arg_changes)
+    with torch.device("meta"):
+        model = Qwen3_5MoeForCausalLM(args)
+    model.to_empty(device="cpu")
+    model.init_buffers()
+    adapter = Qwen3_5MoeStateDictAdapter(args)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(adapter.load_param(name, sd_read))
+    return model.train()
+
+
+def ours_from_hf(hf, cfg: dict, **arg_changes) -> Qwen3_5MoeForCausalLM:
+    return load_into_ours(hf.state_dict().__getitem__, cfg, **arg_changes)
+
+
+def ids_for(S: int, B: int = 2) -> torch.Tensor:
+    return torch.randint(0, 900, (B, S), generator=torch.Generator().manual_seed(0))
+
+
+def positions(kind: str, B: int, S: int) -> torch.Tensor | None:
+    if kind == "none":
+        return None
+    if kind == "2d":
+        return torch.arange(S).unsqueeze(0) + torch.tensor([[0], [5]])[:B]
+    t = torch.arange(S)
+    thw = torch.stack([t, t // 2 + 1, (t * 7) % 11]).unsqueeze(1).expand(3, B, S)
+    if kind == "3d":
+        return thw.contiguous()
+    return torch.cat([t.expand(1, B, S), thw], dim=0)
+
+
+def shifted(ids: torch.Tensor) -> torch.Tensor:
+    labels = torch.full_like(ids, -100)
+    labels[:, :-1] = ids[:, 1:]
+    return labels
+
+
+@pytest.mark.parametrize("S", [24, 70])
+def test_logits_match_transformers(S: int) -> None:
+    hf = make_hf(TINY)
+    ours = ours_from_hf(hf, TINY)
+    ids = ids_for(S)
+    with torch.no_grad():
+        for kind in ("none", "2d", "3d", "4d"):
+            pos = positions(kind, 2, S)
+            ref = hf(input_ids=ids, position_ids=pos, use_cache=False).logits
+            out = ours(ids, pos)
+            assert isinstance(out, ModelOutput) and out.mtp_logits is None
+            assert out.logits.shape == ref.shape == (2, S, TINY["vocab_size"])
+            assert (out.logits - ref).abs().max().item() <= 1e-5, kind
+
+
+@pytest.mark.parametrize("impl", ["grouped", "loop"])
+def test_loss_grads_and_aux_loss_match_transformers(impl: str) -> None:
+    hf = make_hf(TINY, seed=1)
+    ours = ours_from_hf(hf, TINY, experts_impl=impl)
+    ids = ids_for(24)
+    ref = hf(input_ids=ids, labels=ids, use_cache=False, output_router_logits=True)
+    coef = TINY["router_aux_loss_coef"]
+    ref_lm = ref.loss - coef * ref.aux_loss
+    ref.loss.backward()
+    out = ours(ids)
+    lm = F.cross_entropy(out.logits.float().flatten(0, 1), shifted(ids).flatten(), ignore_index=-100)
+    assert abs(lm.item() - ref_lm.item()) <= 1e-5
+    assert abs(out.aux_loss.item() - coef * ref.aux_loss.item()) <= 1e-7
+    assert abs(out.aux_loss.item() / coef - ref.aux_loss.item()) <= 1e-5
+    (lm + out.aux_loss).backward()
+    hf_params = dict(hf.named_parameters())
+    ours_params = dict(ours.named_parameters())
+    assert set(ours_params) == set(hf_params)
+    for name, p in ours_params.items():
+        g_ref, g = hf_params[name].grad, p.grad
+        assert g is not None and g_ref is not None, name
+        assert (g - g_ref).abs().max().item() <= 1e-5, name
+
+
+def test_aux_loss_ignores_padding_like_transformers() -> None:
+    hf = make_hf(TINY, seed=2)
+    ours = ours_from_hf(hf, TINY)
+    ids = ids_for(24)
+    mask = torch.ones_like(ids)
+    mask[1, 17:] = 0  # right padding
+    with torch.no_grad():
+        ref = hf(input_ids=ids, attention_mask=mask, use_cache=False, output_router_logits=True)
+        out = ours(ids, attention_mask=mask)
+        unmasked = ours(ids)
+    coef = TINY["router_aux_loss_coef"]
+    assert abs(out.aux_loss.item() / coef - ref.aux_loss.item()) <= 1e-5
+    assert abs(unmasked.aux_loss.item() - out.aux_loss.item()) > 1e-7
+    real = mask.bool()
+    assert (out.logits[real] - ref.logits[real]).abs().max().item() <= 1e-5
+
+
+def test_bf16_close_to_transformers() -> None:
+    hf = make_hf(TINY, seed=2)
+    ours = ours_from_hf(hf, TINY)
+    hf, ours = hf.to(torch.bfloat16), ours.to(torch.bfloat16)
+    ids = ids_for(70)
+    with torch.no_grad():
+        ref = hf(input_ids=ids, use_cache=False).logits
+        got = ours(ids).logits
+    assert got.dtype == torch.bfloat16 and torch.isfinite(got).all()
+    assert (got.float() - ref.float()).abs().max().item() <= 0.05
+
+
+# --- HF directories -------------------------------------------------------------------------------
+
+
+def reload_in_transformers(path: Path, ours: Qwen3_5MoeForCausalLM, ids: torch.Tensor) -> torch.Tensor:
+    """Load ``path`` with transformers, check every weight is bitwise ours, return its logits."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    assert type(model).__name__ == "Qwen3_5MoeForCausalLM"
+    hf_sd = model.state_dict()
+    for name, t in ours.state_dict().items():
+        if not name.startswith("mtp."):
+            assert torch.equal(hf_sd[name], t), name  # the export is lossless
+    with torch.no_grad():
+        return model(input_ids=ids, use_cache=False).logits
+
+
+def test_export_reloads_in_transformers_with_identical_logits(tmp_path: Path) -> None:
+    hf = make_hf(TINY, seed=3)
+    ours = ours_from_hf(hf, TINY)
+    to_hf(ours, tmp_path)
+    keys = set(load_file(str(tmp_path / "model.safetensors")))
+    assert "model.layers.0.mlp.experts.gate_up_proj" in keys and "lm_head.weight" in keys
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["model_type"] == "qwen3_5_moe_text" and cfg["num_experts"] == 8 and "intermediate_size" not in cfg
+    ids = ids_for(24)
+    with torch.no_grad():
+        mine = ours(ids).logits
+        original = hf(input_ids=ids, use_cache=False).logits
+    reloaded = reload_in_transformers(tmp_path, ours, ids)
+    assert torch.equal(reloaded, original)  # same weights, same implementation: bitwise
+    assert (reloaded - mine).abs().max().item() <= 1e-5
+    # and our own reader gets the same model back
+    again = from_hf(tmp_path)
+    assert isinstance(again, Qwen3_5MoeForCausalLM)
+    with torch.no_grad():
+        assert torch.equal(again(ids).logits, mine)
+
+
+def test_from_hf_reads_transformers_per_expert_files(tmp_path: Path) -> None:
+    hf = make_hf(TINY, seed=4)
+    hf.save_pretrained(str(tmp_path))
+    keys = set(load_file(str(tmp_path / "model.safetensors")))
+    assert "model.layers.0.mlp.experts.3.gate_proj.weight" in keys  # transformers writes per-expert keys
+    ours = from_hf(tmp_path)
+    ids = ids_for(24)
+    with torch.no_grad():
+        ref = hf(input_ids=ids, use_cache=False).logits
+        assert (ours(ids).logits - ref).abs().max().item() <= 1e-5
+
+
+def test_from_hf_reads_vl_layout_and_transposed_experts(tmp_path: Path) -> None:
+    """A composite ``qwen3_5_moe`` checkpoint (model.language_model.*, model.visual.*, mtp.*) loads into
+    the text family; legacy (E, H, 2·Ie) packing is recognised by shape."""
+    hf = make_hf(TINY, seed=5)
+    tensors = {}
+    for k, v in hf.state_dict().items():
+        if k.endswith("experts.gate_up_proj") or k.endswith("experts.down_proj"):
+            v = v.transpose(1, 2)
+        tensors[k.replace("model.", "model.language_model.", 1)] = v.contiguous()
+    tensors["model.visual.patch_embed.proj.weight"] = torch.zeros(4, 3)
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    text = {k: v for k, v in TINY.items() if k not in ("architectures", "tie_word_embeddings", "transformers_version")}
+    vl = {"architectures": ["Qwen3_5MoeForConditionalGeneration"], "model_type": "qwen3_5_moe",
+          "text_config": text, "vision_config": {}, "tie_word_embeddings": False}
+    (tmp_path / "config.json").write_text(json.dumps(vl))
+    ours = get_model_spec("qwen3_5_moe")
+    args = ours.args_cls.from_hf_config(vl)
+    assert args == Qwen3_5MoeArgs.from_hf_config(TINY)
+    from hyperpar.models.build import ModelBuilder
+    from hyperpar.distributed.materialize import materialize
+
+    builder = ModelBuilder(name="qwen3_5_moe", hf_path=str(tmp_path))
+    model = materialize(builder.build_meta(), torch.device("cpu"), seed=0, source=builder.weight_source())
+    ids = ids_for(24)
+    with torch.no_grad():
+        ref = hf(input_ids=ids, use_cache=False).logits
+        assert (model(ids).logits - ref).abs().max().item() <= 1e-5
+
+
+# --- MTP ------------------------------------------------------------------------------------------
+
+
+def mtp_tensors(cfg: dict, hf, seed: int = 7) -> dict[str, torch.Tensor]:
+    """mtp.* weights in the inference engines' names: a full-attention MoE layer taken from layer 1
+    (perturbed), fc (H, 2H) and three offset norms."""
+    g = torch.Generator().manual_seed(seed)
+    H = cfg["hidden_size"]
+    sd = hf.state_dict()
+    out = {}
+    for k, v in sd.items():
+        if k.startswith("model.layers.1."):
+            out["mtp.layers.0." + k[len("model.layers.1.") :]] = v + 0.05 * torch.randn(v.shape, generator=g)
+    out["mtp.fc.weight"] = torch.randn(H, 2 * H, generator=g) * 0.1
+    for n in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        out[f"mtp.{n}.weight"] = torch.randn(H, generator=g) * 0.3
+    return out
+
+
+def rms(x: torch.Tensor, w: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * (1 + w)
+
+
+def test_mtp_loads_and_produces_logits_only_when_weighted(tmp_path: Path) -> None:
+    cfg = tiny(mtp_num_hidden_layers=1)
+    hf = make_hf(TINY, seed=6)
+    hf.save_pretrained(str(tmp_path))
+    extra = mtp_tensors(TINY, hf)
+    save_file(extra, str(tmp_path / "mtp.safetensors"))
+    saved = json.loads((tmp_path / "config.json").read_text())
+    saved["mtp_num_hidden_layers"] = 1
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+
+    model = from_hf(tmp_path)
+    assert model.mtp is not None and model.args.mtp_num_hidden_layers == 1 and model.args.mtp_loss_weight == 0
+    sd = model.state_dict()
+    for k, v in extra.items():
+        assert torch.equal(sd[k], v), k
+    ids = ids_for(24)
+    with torch.no_grad():
+        ref = hf(input_ids=ids, use_cache=False).logits
+        out = model(ids)
+    assert out.mtp_logits is None
+    assert (out.logits - ref).abs().max().item() <= 1e-5  # MTP never changes the main logits
+
+    weighted = load_into_ours(lambda k: sd[k], cfg, mtp_loss_weight=0.5)
+    pos = positions("3d", 2, 24)
+    out_w = weighted(ids, pos)
+    assert out_w.mtp_logits.shape == (2, 23, TINY["vocab_size"])
+    assert torch.equal(out_w.logits, weighted(ids, pos).logits)
+
+    # the MTP step by hand: fc([norm_e(embed(x_{t+1})); norm_h(h_t)]) → MTP layer → norm → lm_head
+    with torch.no_grad():
+        h = weighted.model(ids, pos)  # final hidden states (after the final norm)
+        e = weighted.model.embed_tokens(ids[:, 1:])
+        x = F.linear(torch.cat([rms(e, extra["mtp.pre_fc_norm_embedding.weight"]),
+                                rms(h[:, :-1], extra["mtp.pre_fc_norm_hidden.weight"])], -1), extra["mtp.fc.weight"])
+        cos, sin = weighted.model.rotary_emb(pos[..., 1:], x.dtype)
+        x = weighted.mtp.layers["0"](x, cos, sin)
+        manual = F.linear(rms(x, extra["mtp.norm.weight"]), weighted.lm_head.weight)
+    assert (out_w.mtp_logits - manual).abs().max().item() <= 1e-5
+    # its router joins the aux pool, and every MTP parameter learns from the MTP loss
+    assert out_w.aux_loss.item() != out.aux_loss.item()
+    labels = shifted(ids)
+    mtp_loss = F.cross_entropy(out_w.mtp_logits.flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
+    mtp_loss.backward()
+    for name, p in weighted.mtp.named_parameters():
+        assert p.grad is not None and p.grad.abs().sum() > 0, name
+
+    # export carries mtp.* through; transformers ignores it and still matches the main logits
+    out_dir = tmp_path / "export"
+    to_hf(weighted, out_dir)
+    exported = load_file(str(out_dir / "model.safetensors"))
+    assert all(torch.equal(exported[k], v) for k, v in extra.items())
+    assert json.loads((out_dir / "config.json").read_text())["mtp_num_hidden_layers"] == 1
+    with torch.no_grad():
+        assert torch.equal(reload_in_transformers(out_dir, weighted, ids), ref)
+
+
+def test_mtp_weight_needs_an_mtp_module() -> None:
+    with pytest.raises(ConfigError):
+        Qwen3_5MoeArgs.from_hf_config(TINY).replace(mtp_loss_weight=0.3)
+
+
+# --- framework ------------------------------------------------------------------------------------
+
+
+def test_debug_flavour_trains_with_aux_and_mtp() -> None:
+    args = FLAVORS["debug"].replace(mtp_loss_weight=0.3)
+    assert set(args.layer_types[:2]) == set(args.layer_types[2:]) == {"linear_attention", "full_attention"}
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = Qwen3_5MoeForCausalLM(args)
+    model.to_empty(device="cpu")
+    model.init_buffers()
+    for i, (name, p) in enumerate(model.named_parameters()):
+        full = torch.empty(p.shape)
+        model.init_param(name, full, torch.Generator().manual_seed(i))
+        with torch.no_grad():
+            p.copy_(full)
+    n = sum(p.numel() for p in model.parameters())
+    assert 1_500_000 <= n <= 4_000_000
+    sd = model.state_dict()
+    assert torch.all(sd["mtp.pre_fc_norm_hidden.weight"] == 0) and 0.015 < sd["mtp.fc.weight"].std() < 0.025
+    assert 0.015 < sd["model.layers.0.mlp.experts.gate_up_proj"].std() < 0.025
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    ids = torch.randint(0, args.vocab_size, (4, 32), generator=torch.Generator().manual_seed(0))
+    labels = shifted(ids)
+    losses = []
+    for _ in range(4):
+        out = model(ids)
+        loss = F.cross_entropy(out.logits.flatten(0, 1), labels.flatten())
+        mtp = F.cross_entropy(out.mtp_logits.flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
+        (loss + out.aux_loss + 0.3 * mtp).backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0]
+    with torch.device("meta"):
+        no_mtp = Qwen3_5MoeForCausalLM(FLAVORS["debug"])
+    assert model.flops_per_token(32) > no_mtp.flops_per_token(32) > 0
+
+
+def test_35b_flavour_builds_on_meta() -> None:
+    args = FLAVORS["35b_a3b"]
+    with torch.device("meta"):
+        m = Qwen3_5MoeForCausalLM(args)
+    n = sum(p.numel() for name, p in m.named_parameters() if not name.startswith("mtp."))
+    assert 34e9 <= n <= 36e9
+    assert m.model.layers["0"].mlp.experts.gate_up_proj.shape == (256, 1024, 2048)
+    assert m.model.layers["0"].mlp.experts.down_proj.shape == (256, 2048, 512)
+    assert args.layer_types[3] == "full_attention" and args.mtp_num_hidden_layers == 1
+    # active parameters: ~3B of 35B
+    active = m.flops_per_token(1) / 6
+    assert 2.5e9 <= active <= 4.0e9
+
+
+def test_hf_config_round_trip_and_spec() -> None:
+    from transformers import Qwen3_5MoeTextConfig
+
+    args = Qwen3_5MoeArgs.from_hf_config(TINY)
+    assert (args.num_experts, args.num_experts_per_tok, args.moe_intermediate_size) == (8, 2, 48)
+    assert args.shared_expert_intermediate_size == 32 and args.router_aux_loss_coef == 0.001
+    out = args.to_hf_config()
+    assert out["model_type"] == "qwen3_5_moe_text" and out["architectures"] == ["Qwen3_5MoeForCausalLM"]
+    assert Qwen3_5MoeArgs.from_hf_config(out) == args
+    hf_cfg = Qwen3_5MoeTextConfig(**out)
+    assert hf_cfg.num_experts == 8 and hf_cfg.layer_types == args.layer_types
+    spec = get_model_spec("qwen3_5_moe")
+    assert spec_for_hf_model_type("qwen3_5_moe_text") is spec
+    assert "qwen3_5_moe" in spec.hf_model_types and spec.default_data == "dummy"
+    assert set(spec.flavors) >= {"debug", "35b_a3b"}
+    assert Qwen3_5MoeForCausalLM.block_cls.__name__ == "Qwen3_5MoeDecoderLayer"
+
+
+def test_activation_checkpointing_keeps_grads_and_aux() -> None:
+    from hyperpar.distributed.activation_checkpoint import wrap_block
+
+    hf = make_hf(TINY)
+    plain = ours_from_hf(hf, tiny(mtp_num_hidden_layers=0))
+    results = []
+    for mode in ("none", "full", "selective"):
+        m = copy.deepcopy(plain)
+        if mode != "none":
+            for key, block in list(m.model.layers.items()):
+                m.model.layers[key] = wrap_block(block, mode)
+        out = m(ids_for(24))
+        (out.logits.square().mean() + out.aux_loss).backward()
+        grads = {n.replace("_checkpoint_wrapped_module.", ""): p.grad for n, p in m.named_parameters()}
+        results.append((out.aux_loss.detach(), grads))
+    (a0, g0) = results[0]
+    for a, g in results[1:]:
+        assert torch.equal(a, a0)
+        for n in g0:
+            assert (g[n] - g0[n]).abs().max().item() <= 1e-6, n
