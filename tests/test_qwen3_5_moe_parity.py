@@ -314,7 +314,8 @@ def test_mtp_loads_and_produces_logits_only_when_weighted(tmp_path: Path) -> Non
     hf = make_hf(TINY, seed=6)
     hf.save_pretrained(str(tmp_path))
     extra = mtp_tensors(TINY, hf)
-    save_file(extra, str(tmp_path / "mtp.safetensors"))
+    weights = load_file(str(tmp_path / "model.safetensors"))
+    save_file({**weights, **extra}, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
     saved = json.loads((tmp_path / "config.json").read_text())
     saved["mtp_num_hidden_layers"] = 1
     (tmp_path / "config.json").write_text(json.dumps(saved))

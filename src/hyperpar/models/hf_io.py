@@ -185,10 +185,16 @@ def parse_size(size: int | str) -> int:
 
 
 def _spec_of(model: nn.Module) -> ModelSpec:
+    # The most derived registered class wins: one family may subclass another's model (MoE ⊂ dense).
+    mro = type(model).__mro__
+    best: tuple[int, ModelSpec] | None = None
     for spec in registered_models().values():
-        if isinstance(spec.model_cls, type) and isinstance(model, spec.model_cls):
-            return spec
-    raise CheckpointError(f"no registered model family builds {type(model).__name__}")
+        cls = spec.model_cls
+        if isinstance(cls, type) and cls in mro and (best is None or mro.index(cls) < best[0]):
+            best = (mro.index(cls), spec)
+    if best is None:
+        raise CheckpointError(f"no registered model family builds {type(model).__name__}")
+    return best[1]
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
