@@ -1,11 +1,15 @@
-"""Training-step throughput: hyperpar's Qwen3.5 vs transformers' Qwen3_5ForCausalLM, same weights.
+"""Training-step throughput: hyperpar's Qwen3.5 / Qwen3.5-MoE vs transformers' Qwen3_5ForCausalLM /
+Qwen3_5MoeForCausalLM, same config and weights.
 
 One step = forward, cross-entropy, backward, AdamW step. Ours uses pre-shifted labels and
-``F.cross_entropy`` (what the trainer does); transformers gets ``labels=input_ids`` and shifts
-inside. Steps alternate between the two implementations (order swapped every step) so background
-load hits both alike; medians are reported.
+``F.cross_entropy`` (what the trainer does), plus the returned ``aux_loss`` for MoE; transformers
+gets ``labels=input_ids`` (and ``output_router_logits=True`` for MoE, so its loss carries the same
+aux term) and shifts inside. Its experts run its default ``grouped_mm`` path. Steps alternate between
+the two implementations (order swapped every step) so background load hits both alike; medians are
+reported.
 
     python bench/train_throughput.py --config dense_small --seq 1024 --batch 2 --steps 6
+    python bench/train_throughput.py --config moe_small --seq 1024 --batch 2 --steps 6
 """
 
 from __future__ import annotations
@@ -39,25 +43,48 @@ CONFIGS: dict[str, dict] = {
                              mrope_section=[3, 3, 2], mrope_interleaved=True),
     ),
 }
+# PERF_NOTES.md's 8-expert top-2 MoE variant of dense_small (k·Ie + Is = I of the dense model).
+_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=512, shared_expert_intermediate_size=512,
+            router_aux_loss_coef=0.001)
+CONFIGS["moe_debug"] = {**{k: v for k, v in CONFIGS["debug"].items() if k != "intermediate_size"},
+                        **_MOE, "moe_intermediate_size": 96, "shared_expert_intermediate_size": 64}
+CONFIGS["moe_small"] = {**{k: v for k, v in CONFIGS["dense_small"].items() if k != "intermediate_size"}, **_MOE}
 COMMON = dict(hidden_act="silu", rms_norm_eps=1e-6, attention_bias=False, attention_dropout=0.0,
-              max_position_embeddings=32768, use_cache=False, model_type="qwen3_5_text")
+              max_position_embeddings=32768, use_cache=False)
+
+
+def is_moe(config: str) -> bool:
+    return "num_experts" in CONFIGS[config]
 
 
 def build(config: str, dtype: torch.dtype):
-    from transformers import Qwen3_5ForCausalLM as HFModel
-    from transformers import Qwen3_5TextConfig
+    if is_moe(config):
+        from transformers import Qwen3_5MoeForCausalLM as HFModel
+        from transformers import Qwen3_5MoeTextConfig as HFConfig
 
-    from hyperpar.models.qwen3_5 import Qwen3_5Args, Qwen3_5ForCausalLM, Qwen3_5StateDictAdapter
+        from hyperpar.models.qwen3_5_moe import Qwen3_5MoeArgs as Args
+        from hyperpar.models.qwen3_5_moe import Qwen3_5MoeForCausalLM as Model
+        from hyperpar.models.qwen3_5_moe import Qwen3_5MoeStateDictAdapter as Adapter
 
-    cfg = {**COMMON, **CONFIGS[config]}
+        model_type = "qwen3_5_moe_text"
+    else:
+        from transformers import Qwen3_5ForCausalLM as HFModel
+        from transformers import Qwen3_5TextConfig as HFConfig
+
+        from hyperpar.models.qwen3_5 import Qwen3_5Args as Args
+        from hyperpar.models.qwen3_5 import Qwen3_5ForCausalLM as Model
+        from hyperpar.models.qwen3_5 import Qwen3_5StateDictAdapter as Adapter
+
+        model_type = "qwen3_5_text"
+    cfg = {**COMMON, "model_type": model_type, **CONFIGS[config]}
     torch.manual_seed(0)
-    theirs = HFModel(Qwen3_5TextConfig(**cfg)).to(dtype).train()
-    args = Qwen3_5Args.from_hf_config(cfg)
+    theirs = HFModel(HFConfig(**cfg)).to(dtype).train()
+    args = Args.from_hf_config(cfg)
     with torch.device("meta"):
-        ours = Qwen3_5ForCausalLM(args)
+        ours = Model(args)
     ours.to_empty(device="cpu")
     ours.init_buffers()
-    adapter = Qwen3_5StateDictAdapter(args)
+    adapter = Adapter(args)
     sd = theirs.state_dict()
     with torch.no_grad():
         for name, p in ours.named_parameters():
@@ -81,9 +108,11 @@ def main() -> None:
 
     ours, theirs, args = build(a.config, dtype)
     n_params = sum(p.numel() for p in ours.parameters())
+    ffn = (f"E/k/Ie/Is {args.num_experts}/{args.num_experts_per_tok}/{args.moe_intermediate_size}/"
+           f"{args.shared_expert_intermediate_size}" if is_moe(a.config) else f"I {args.intermediate_size}")
     print(
         f"config {a.config}: hidden {args.hidden_size}, layers {args.num_hidden_layers} "
-        f"({args.num_full_layers} full), vocab {args.vocab_size}, I {args.intermediate_size}, "
+        f"({args.num_full_layers} full), vocab {args.vocab_size}, {ffn}, "
         f"nh/nkv/hd {args.num_attention_heads}/{args.num_key_value_heads}/{args.head_dim}, "
         f"nk/nv/dk/dv {args.linear_num_key_heads}/{args.linear_num_value_heads}/"
         f"{args.linear_key_head_dim}/{args.linear_value_head_dim}, {n_params / 1e6:.1f}M params"
@@ -98,15 +127,19 @@ def main() -> None:
     opt_theirs = torch.optim.AdamW(theirs.parameters(), lr=1e-5)
 
     def step_ours() -> float:
-        logits = ours(ids)
+        out = ours(ids)
+        logits = out if isinstance(out, torch.Tensor) else out.logits
         loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), labels.view(-1), ignore_index=-100)
+        if not isinstance(out, torch.Tensor) and out.aux_loss is not None:
+            loss = loss + out.aux_loss
         loss.backward()
         opt_ours.step()
         opt_ours.zero_grad(set_to_none=True)
         return loss.item()
 
     def step_theirs() -> float:
-        loss = theirs(input_ids=ids, labels=ids, use_cache=False).loss
+        extra = {"output_router_logits": True} if is_moe(a.config) else {}
+        loss = theirs(input_ids=ids, labels=ids, use_cache=False, **extra).loss
         loss.backward()
         opt_theirs.step()
         opt_theirs.zero_grad(set_to_none=True)

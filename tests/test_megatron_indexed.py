@@ -228,6 +228,7 @@ def test_convert_errors_are_one_line(tmp_path: Path, tokenizer_dir: str, capsys)
     assert rc == 2 and err.count("\n") == 0 and "in.jsonl:1" in err and "missing" in err
 
 
+@pytest.mark.slow  # three interpreters importing transformers
 def test_convert_module_entry_with_workers(tmp_path: Path, tokenizer_dir: str) -> None:
     src = _jsonl(tmp_path / "in.jsonl")
     out = tmp_path / "c"

@@ -53,12 +53,22 @@ class Plan:
         return "\n".join(lines)
 
 
+def check_data_type(name: str) -> None:
+    """An unknown data.type fails in the driver, before any worker starts."""
+    from hyperpar.data.registry import available
+    from hyperpar.errors import ConfigError
+
+    if name != "auto" and name not in available():
+        raise ConfigError(f"unknown data.type '{name}'", hint=f"available: {', '.join(available())}")
+
+
 def make_plan(cfg: DictConfig, *, strict: bool = True) -> Plan:
     """Build the plan; with ``strict`` raise the first problem as a PlanError."""
     from hyperpar.config import build as instantiate
 
     pdims: ParallelDims = instantiate(cfg.parallel)
     builder = instantiate(cfg.model)
+    check_data_type(cfg.data.type)
     t = cfg.train
     problems: list[str] = []
     for check in (pdims.check_supported,

@@ -21,12 +21,15 @@ log = logging.getLogger("hyperpar")
 
 
 def spec_of(model: nn.Module):
+    """The family that builds ``model`` (FSDP2 wraps it in a subclass); the most derived registered class
+    wins, since one family may subclass another's model (MoE over dense)."""
     from hyperpar.models.spec import registered_models
 
-    for spec in registered_models().values():
-        if isinstance(spec.model_cls, type) and isinstance(model, spec.model_cls):
-            return spec
-    raise CheckpointError(f"no registered model family builds {type(model).__name__}")
+    mro = type(model).__mro__
+    found = [(mro.index(s.model_cls), s) for s in registered_models().values() if isinstance(s.model_cls, type) and s.model_cls in mro]
+    if not found:
+        raise CheckpointError(f"no registered model family builds {type(model).__name__}")
+    return min(found, key=lambda x: x[0])[1]
 
 
 def plain_model(spec, args) -> nn.Module:

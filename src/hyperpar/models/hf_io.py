@@ -17,7 +17,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from hyperpar.errors import CheckpointError
-from hyperpar.models.spec import ModelSpec, registered_models, spec_for_hf_model_type
+from hyperpar.models.spec import ModelSpec, spec_for_hf_config, spec_of_model
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -156,7 +156,7 @@ def from_hf(path: str | Path, dtype: torch.dtype = torch.float32, device: str | 
         model_type = ckpt.config.get("model_type")
         if not model_type:
             raise CheckpointError(f"'{ckpt.path}/config.json' has no model_type")
-        spec = spec_for_hf_model_type(str(model_type))
+        spec = spec_for_hf_config(ckpt.config)
         args = spec.args_cls.from_hf_config(ckpt.config)
         with torch.device("meta"):
             model = spec.model_cls(args)
@@ -185,16 +185,7 @@ def parse_size(size: int | str) -> int:
 
 
 def _spec_of(model: nn.Module) -> ModelSpec:
-    # The most derived registered class wins: one family may subclass another's model (MoE ⊂ dense).
-    mro = type(model).__mro__
-    best: tuple[int, ModelSpec] | None = None
-    for spec in registered_models().values():
-        cls = spec.model_cls
-        if isinstance(cls, type) and cls in mro and (best is None or mro.index(cls) < best[0]):
-            best = (mro.index(cls), spec)
-    if best is None:
-        raise CheckpointError(f"no registered model family builds {type(model).__name__}")
-    return best[1]
+    return spec_of_model(model)
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:

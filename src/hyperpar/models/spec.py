@@ -45,6 +45,9 @@ class ModelSpec:
     parallelize: Callable[..., nn.Module]  # parallelize(model, parallel_dims, job_cfg) -> model
     adapter: Callable[[Any], StateDictAdapter]  # adapter(args) -> StateDictAdapter
     hf_model_types: tuple[str, ...] = ()  # config.json "model_type" values this family loads
+    # config.json "architectures" this family is the natural reader of (picks between families
+    # that load the same model_type)
+    hf_architectures: tuple[str, ...] = ()
     default_data: str = "dummy"  # data config a bare `model=<name>` trains on
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -93,6 +96,37 @@ def spec_for_hf_model_type(model_type: str) -> ModelSpec:
             return spec
     known = sorted(t for s in _REGISTRY.values() for t in s.hf_model_types)
     raise ConfigError(f"config.json model_type '{model_type}' is not supported", hint=f"supported: {', '.join(known)}")
+
+
+def spec_for_hf_config(config: dict[str, Any]) -> ModelSpec:
+    """The family for a config.json: by ``model_type``; when several families load that type (a text
+    family also reads its VL checkpoints), the one whose ``hf_architectures`` lists the config's
+    architecture wins, else the first registered."""
+    model_type = str(config.get("model_type", ""))
+    _load_builtin()
+    candidates = [s for s in _REGISTRY.values() if model_type in s.hf_model_types]
+    archs = set(config.get("architectures") or [])
+    for spec in candidates:
+        if archs & set(spec.hf_architectures):
+            return spec
+    return candidates[0] if candidates else spec_for_hf_model_type(model_type)
+
+
+def spec_of_model(model: nn.Module) -> ModelSpec:
+    """The family that builds ``model``: the most derived registered class wins, since one family may
+    subclass another's model (Qwen3.5-MoE's is a Qwen3.5 dense model with another FFN)."""
+    _load_builtin()
+    mro = type(model).__mro__
+    best: tuple[int, ModelSpec] | None = None
+    for spec in _REGISTRY.values():
+        cls = spec.model_cls
+        if isinstance(cls, type) and cls in mro and (best is None or mro.index(cls) < best[0]):
+            best = (mro.index(cls), spec)
+    if best is None:
+        from hyperpar.errors import CheckpointError
+
+        raise CheckpointError(f"no registered model family builds {type(model).__name__}")
+    return best[1]
 
 
 def registered_models() -> dict[str, ModelSpec]:

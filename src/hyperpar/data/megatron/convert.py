@@ -109,7 +109,7 @@ def convert(input_path: str, tokenizer_dir: str, output_prefix: str, json_key: s
     builder = IndexedDatasetBuilder(get_bin_path(output_prefix), dtype=dtype)
     docs = tokens = 0
     bar = tqdm(total=os.path.getsize(input_path), unit="B", unit_scale=True, desc="convert",
-               disable=not progress)
+               disable=not progress or os.environ.get("HYPERPAR_NO_BAR") == "1")
     pool = None
     try:
         if workers > 1:
@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--add-special-tokens", action="store_true",
                         help="let the tokenizer add its special tokens (e.g. BOS) to each document")
     parser.add_argument("--workers", type=int, default=1, help="tokenizer processes (default: 1)")
-    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar (also HYPERPAR_NO_BAR=1)")
     args = parser.parse_args(argv)
     t0 = time.perf_counter()
     try:

@@ -29,6 +29,7 @@ SPEC = register_model(
         parallelize=_parallelize,
         adapter=Qwen3_5StateDictAdapter,
         hf_model_types=("qwen3_5_text", "qwen3_5"),
+        hf_architectures=("Qwen3_5ForCausalLM",),
     )
 )
 

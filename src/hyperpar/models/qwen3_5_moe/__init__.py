@@ -34,6 +34,7 @@ SPEC = register_model(
         parallelize=_parallelize,
         adapter=Qwen3_5MoeStateDictAdapter,
         hf_model_types=("qwen3_5_moe_text", "qwen3_5_moe"),
+        hf_architectures=("Qwen3_5MoeForCausalLM",),
         default_data="dummy",
     )
 )
