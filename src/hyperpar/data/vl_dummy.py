@@ -70,6 +70,7 @@ class VLDummySource:
         max_frames: int = 2,
         num_classes: int = 16,
         noise: float = 0.05,
+        text_vocab: int | None = 512,
     ) -> None:
         self.seq_len = seq_len
         self.seed = seed
@@ -83,7 +84,7 @@ class VLDummySource:
         if bad:
             raise DataError(f"vl_dummy: special token ids {bad} are outside the vocabulary of {vocab_size}")
         # Plain text is drawn below the smallest special id (Qwen puts them at the end of the vocab).
-        self.text_vocab = min(specials)
+        self.text_vocab = min(min(specials), text_vocab) if text_vocab else min(specials)
         if self.text_vocab < 2:
             raise DataError(f"vl_dummy: the special token ids {list(specials)} leave no room for text ids below them")
         if not (0.0 <= video_fraction and 0.0 <= text_fraction and video_fraction + text_fraction <= 1.0):
@@ -100,9 +101,11 @@ class VLDummySource:
 
     # --- pieces ------------------------------------------------------------------------------
 
-    def _progression(self, g: torch.Generator, start: int, length: int) -> torch.Tensor:
+    def _progression(self, c: int, length: int) -> torch.Tensor:
+        """The text after an item of class c: start and stride both follow from c."""
         v = self.text_vocab
-        stride = int(torch.randint(1, 8, (1,), generator=g))
+        start = (c * (v // self.num_classes)) % v
+        stride = 1 + c % 7
         return (start + stride * torch.arange(length, dtype=torch.int64)) % v
 
     def _class_pattern(self, c: int) -> torch.Tensor:
@@ -172,9 +175,7 @@ class VLDummySource:
                 out["pixel_values_videos"] = self._pixels(g, c, t, h, w)
                 out["video_grid_thw"] = torch.tensor([[t, h, w]], dtype=torch.int64)
         used = sum(x.numel() for x in ids)
-        # The text after the item continues a progression that starts at a class-dependent id.
-        start = (c * (self.text_vocab // self.num_classes)) % self.text_vocab
-        ids.append(self._progression(g, start, n - used))
+        ids.append(self._progression(c, n - used))
         types.append(torch.zeros(n - used, dtype=torch.int64))
         seq = torch.cat(ids)
         tt = torch.cat(types)
@@ -209,4 +210,5 @@ def build_vl_dummy(options: dict, ctx: DataContext) -> VLDummySource:
         max_frames=int(extra.get("max_frames", 2)),
         num_classes=int(extra.get("num_classes", 16)),
         noise=float(extra.get("noise", 0.05)),
+        text_vocab=extra.get("text_vocab", 512),
     )
