@@ -1,4 +1,5 @@
-"""Blends of Megatron corpora: parsing, megatron-core's greedy schedule, sizes, cycling."""
+"""Blends of Megatron corpora: parsing, megatron-core's greedy schedule, the bounded schedule, sizes,
+cycling, and which schedule each entry point picks."""
 
 from __future__ import annotations
 
@@ -7,9 +8,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from omegaconf import OmegaConf
 
+from helpers import compose_cfg
 from hyperpar.data.megatron import (
     BlendedDataset,
     GPTDataset,
@@ -17,10 +21,12 @@ from hyperpar.data.megatron import (
     IndexedDatasetBuilder,
     MegatronSource,
     build_blending_indices,
+    build_bounded_blending_indices,
     build_exhaustive_blending_indices,
     build_gpt_dataset,
     parse_blend,
 )
+from hyperpar.data.registry import DataContext, build_dataset
 from hyperpar.errors import DataError
 
 
@@ -79,9 +85,14 @@ def test_exhaustive_schedule_matches_megatron_core() -> None:
     assert sample.tolist() == [0, 0, 0, 1, 1, 2, 1, 3, 2, 4]
 
 
-def _deviation(weights: list[float], size: int) -> np.ndarray:
-    w = np.array(weights) / np.sum(weights)
-    index, _ = build_blending_indices(w.tolist(), size)
+def _deviation(weights: list[float], size: int, schedule: str = "megatron") -> np.ndarray:
+    """``counts[n-1, d] - w_d * n``: how far corpus d is from its share after every prefix n."""
+    w = np.array(weights, dtype=np.float64) / np.sum(weights)
+    if schedule == "megatron":
+        index, _ = build_blending_indices(w.tolist(), size)
+    else:
+        index, _ = build_bounded_blending_indices(list(weights), size)  # normalises itself
+    assert index.shape == (size,)
     counts = np.cumsum(np.eye(len(w), dtype=np.int64)[index], axis=0)
     return counts - np.arange(1, size + 1)[:, None] * w[None, :]
 
@@ -115,6 +126,9 @@ def test_weighted_blend_sizes_and_samples(corpora: list[str], tmp_path: Path) ->
     n = 500
     blend = build_gpt_dataset(f"2 {corpora[0]} 1 {corpora[1]} 1 {corpora[2]}", n, config)
     assert isinstance(blend, BlendedDataset)
+    # the Megatron-named API keeps megatron-core's order by default
+    assert blend.schedule == "megatron"
+    assert blend.dataset_index.tolist() == build_blending_indices(blend.weights, len(blend))[0].tolist()
     targets = [math.ceil(n * w) for w in (0.5, 0.25, 0.25)]
     assert len(blend) == sum(targets)
     for ds, target in zip(blend.datasets, targets):
@@ -133,6 +147,19 @@ def test_weighted_blend_sizes_and_samples(corpora: list[str], tmp_path: Path) ->
     again = build_gpt_dataset(f"2 {corpora[0]} 1 {corpora[1]} 1 {corpora[2]}", n, config)
     assert isinstance(again.dataset_index, np.memmap)
     assert np.array_equal(again.dataset_index, blend.dataset_index)
+    # the schedule is part of the cache key: same weights, size and cache dir, its own entry (for
+    # these weights, 1/2 1/4 1/4, the two orders happen to coincide; the cache must not know that)
+    bounded = build_gpt_dataset(f"2 {corpora[0]} 1 {corpora[1]} 1 {corpora[2]}", n, config, schedule="bounded")
+    assert bounded.schedule == "bounded" and not isinstance(bounded.dataset_index, np.memmap)
+    assert bounded.dataset_index.tolist() == build_bounded_blending_indices(blend.weights, len(blend))[0].tolist()
+    assert np.bincount(np.asarray(bounded.dataset_index), minlength=3).tolist() == targets
+    assert len(list((tmp_path / "cache").glob("*-BlendedDataset-*-description.txt"))) == 2
+    cached = build_gpt_dataset(f"2 {corpora[0]} 1 {corpora[1]} 1 {corpora[2]}", n, config, schedule="bounded")
+    assert isinstance(cached.dataset_index, np.memmap)
+    assert np.array_equal(cached.dataset_index, bounded.dataset_index)
+    assert np.array_equal(cached.dataset_sample_index, bounded.dataset_sample_index)
+    with pytest.raises(DataError, match="unknown blend schedule 'greedy'"):
+        build_gpt_dataset(f"2 {corpora[0]} 1 {corpora[1]}", n, config, schedule="greedy")
 
 
 def test_unweighted_blends(corpora: list[str]) -> None:
@@ -145,6 +172,10 @@ def test_unweighted_blends(corpora: list[str]) -> None:
     assert pairs == {(d, j) for d, n in enumerate(lengths) for j in range(n)}
     capped = build_gpt_dataset(corpora, 50, config)
     assert len(capped) == 50 and capped.weights == pytest.approx([n / sum(lengths) for n in lengths])
+    # the bounded schedule also takes every sample exactly once
+    bounded = build_gpt_dataset(corpora, None, config, schedule="bounded")
+    assert len(bounded) == sum(lengths)
+    assert {bounded.locate(i) for i in range(len(bounded))} == pairs
 
 
 def test_single_prefix_rules(corpora: list[str]) -> None:
@@ -168,3 +199,102 @@ def test_megatron_source_with_blend(corpora: list[str]) -> None:
     assert sources.count(0) == pytest.approx(0.7 * 64, abs=1)
     for i in (0, 17, 63):
         assert src[i]["input_ids"].tolist() == same[i]["input_ids"].tolist()
+    # the framework's source defaults to the bounded schedule; "megatron" gives upstream's order
+    assert src.blend_schedule == "bounded" and src.dataset.schedule == "bounded"
+    assert src.dataset.dataset_index.tolist() == build_bounded_blending_indices([0.7, 0.3], len(src.dataset))[0].tolist()
+    upstream = MegatronSource(blend=spec, seq_len=16, num_samples=64, seed=9, blend_schedule="megatron")
+    assert upstream.dataset.schedule == "megatron"
+    assert upstream.dataset.dataset_index.tolist() == build_blending_indices([0.7, 0.3], len(upstream.dataset))[0].tolist()
+    with pytest.raises(DataError, match="unknown blend schedule"):
+        MegatronSource(blend=spec, seq_len=16, num_samples=64, blend_schedule="Bounded")
+
+
+# -- the bounded schedule -------------------------------------------------------------------------
+
+@settings(max_examples=250, deadline=None)
+@given(weights=st.lists(st.floats(1e-3, 1e3, allow_nan=False, allow_infinity=False), min_size=1, max_size=6),
+       size=st.integers(0, 3000))
+def test_bounded_schedule_is_within_one_sample_at_every_prefix(weights: list[float], size: int) -> None:
+    """The acceptance property: at EVERY prefix n, every corpus d has |c_d(n) - w_d n| < 1.
+
+    Weights are unnormalised (they are normalised inside). The schedule's proven bound, Tijdeman's
+    1 - 1/(2k-2) for k >= 2 corpora (0 for one), is checked too.
+    """
+    k = len(weights)
+    if size == 0:
+        index, sample = build_bounded_blending_indices(weights, 0)
+        assert index.shape == sample.shape == (0,)
+        return
+    dev = np.abs(_deviation(weights, size, "bounded"))
+    assert dev.max() < 1.0
+    bound = 1.0 - 1.0 / (2 * k - 2) if k > 1 else 0.0
+    assert dev.max() <= bound + 1e-9
+
+
+def test_bounded_schedule_basics() -> None:
+    index, sample = build_bounded_blending_indices([0.5, 0.3, 0.2], 30)
+    assert index.dtype == np.int16 and sample.dtype == np.int64
+    counts = [0, 0, 0]
+    for i, d in enumerate(index.tolist()):
+        assert sample[i] == counts[d]
+        counts[d] += 1
+    assert counts == [15, 9, 6]
+    # deterministic, and only the ratios of the weights matter
+    assert index.tolist() == build_bounded_blending_indices([5, 3, 2], 30)[0].tolist()
+    assert index.tolist() == build_bounded_blending_indices([0.5, 0.3, 0.2], 30)[0].tolist()
+    one, one_sample = build_bounded_blending_indices([0.3], 7)
+    assert one.tolist() == [0] * 7 and one_sample.tolist() == list(range(7))
+    for bad in ([], [0.5, 0.0], [1.0, -1.0], [1.0, float("nan")], [1.0, float("inf")]):
+        with pytest.raises(DataError):
+            build_bounded_blending_indices(bad, 10)
+    with pytest.raises(DataError):
+        build_bounded_blending_indices([1.0, 1.0], -1)
+
+
+def test_bounded_schedule_fixes_megatrons_lag() -> None:
+    # the pinned example where megatron's order lags by > 1.3 samples: bounded stays under 1 - 1/6
+    weights = [0.23658625, 0.03667225, 0.01531389, 0.71142761]
+    assert np.abs(_deviation(weights, 300, "bounded")).max() <= 1 - 1 / 6 + 1e-9
+
+
+def test_bounded_schedule_long_stream() -> None:
+    weights = [0.41, 0.3, 0.2, 0.07, 0.019, 0.001]
+    dev = _deviation(weights, 100_000, "bounded")
+    assert np.abs(dev).max() <= 1 - 1 / 10 + 1e-9
+
+
+def test_bounded_exhaustive_takes_every_sample_once() -> None:
+    sizes = [3, 5, 2, 1]
+    index, sample = build_exhaustive_blending_indices(sizes, "bounded")
+    assert len(index) == sum(sizes)
+    assert sorted(zip(index.tolist(), sample.tolist())) == [(d, j) for d, n in enumerate(sizes) for j in range(n)]
+    dev = _deviation(sizes, sum(sizes), "bounded")
+    assert np.abs(dev).max() < 1 and np.allclose(dev[-1], 0)
+
+
+# -- the Hydra path ---------------------------------------------------------------------------------
+
+def test_hydra_megatron_blend_defaults_to_bounded(corpora: list[str]) -> None:
+    from hydra.utils import instantiate
+
+    blend = f"[{{weight:0.7,prefix:'{corpora[0]}'}},{{weight:0.3,prefix:'{corpora[2]}'}}]"
+    ctx = DataContext(seq_len=16, seed=9, num_samples=64, vocab_size=2048)
+    cfg = compose_cfg(["data=megatron", f"data.blend={blend}"])
+    assert cfg.data.extra.blend_schedule == "bounded"
+    src = instantiate(cfg.data, _partial_=True, _convert_="all")(context=ctx)  # as launch.py does
+    assert src.blend_schedule == "bounded"
+    assert src.dataset.dataset_index.tolist() == build_bounded_blending_indices([0.7, 0.3], len(src.dataset))[0].tolist()
+    ref = MegatronSource(blend=f"0.7 {corpora[0]} 0.3 {corpora[2]}", seq_len=16, num_samples=64, seed=9)
+    assert all(torch.equal(src[i]["input_ids"], ref[i]["input_ids"]) for i in range(64))
+
+    cfg = compose_cfg(["data=megatron", f"data.blend={blend}", "data.extra.blend_schedule=megatron"])
+    src = instantiate(cfg.data, _partial_=True, _convert_="all")(context=ctx)
+    assert src.dataset.schedule == "megatron"
+    assert src.dataset.dataset_index.tolist() == build_blending_indices([0.7, 0.3], len(src.dataset))[0].tolist()
+
+    # blend entries that are still OmegaConf DictConfigs (no _convert_) work too
+    as_dictconfig = OmegaConf.create([{"weight": 0.7, "prefix": corpora[0]}, {"weight": 0.3, "prefix": corpora[2]}])
+    src = build_dataset("megatron", context=ctx, blend=as_dictconfig)
+    assert all(torch.equal(src[i]["input_ids"], ref[i]["input_ids"]) for i in range(64))
+    with pytest.raises(DataError, match="data.extra.blend_schedule='tijdeman' is not one of"):
+        build_dataset("megatron", context=ctx, blend=as_dictconfig, extra={"blend_schedule": "tijdeman"})

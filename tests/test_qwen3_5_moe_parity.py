@@ -289,7 +289,7 @@ def test_from_hf_reads_vl_layout_and_transposed_experts(tmp_path: Path) -> None:
 # --- MTP ------------------------------------------------------------------------------------------
 
 
-def mtp_tensors(cfg: dict, hf, seed: int = 7) -> dict[str, torch.Tensor]:
+def mtp_tensors(cfg: dict, hf, seed: int = 7, prefix: str = "model.layers.1.") -> dict[str, torch.Tensor]:
     """mtp.* weights in the inference engines' names: a full-attention MoE layer taken from layer 1
     (perturbed), fc (H, 2H) and three offset norms."""
     g = torch.Generator().manual_seed(seed)
@@ -297,8 +297,8 @@ def mtp_tensors(cfg: dict, hf, seed: int = 7) -> dict[str, torch.Tensor]:
     sd = hf.state_dict()
     out = {}
     for k, v in sd.items():
-        if k.startswith("model.layers.1."):
-            out["mtp.layers.0." + k[len("model.layers.1.") :]] = v + 0.05 * torch.randn(v.shape, generator=g)
+        if k.startswith(prefix):
+            out["mtp.layers.0." + k[len(prefix) :]] = v + 0.05 * torch.randn(v.shape, generator=g)
     out["mtp.fc.weight"] = torch.randn(H, 2 * H, generator=g) * 0.1
     for n in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
         out[f"mtp.{n}.weight"] = torch.randn(H, generator=g) * 0.3
@@ -462,3 +462,193 @@ def test_activation_checkpointing_keeps_grads_and_aux() -> None:
         assert torch.equal(a, a0)
         for n in g0:
             assert (g[n] - g0[n]).abs().max().item() <= 1e-6, n
+
+
+# --- vision-language: Qwen3_5MoeForConditionalGeneration ------------------------------------------
+
+# tiny_configs/qwen3_5_moe_vl.json (MODELS.md 14): the text config above + a depth-2 ViT; image/video
+# ids 1000/1001, vision start/end 1002/1003.
+TINY_VL = {
+    "architectures": ["Qwen3_5MoeForConditionalGeneration"],
+    "dtype": "float32",
+    "image_token_id": 1000,
+    "model_type": "qwen3_5_moe",
+    "text_config": {k: v for k, v in TINY.items() if k not in ("architectures", "dtype", "transformers_version")},
+    "tie_word_embeddings": False,
+    "transformers_version": "5.24.0",
+    "video_token_id": 1001,
+    "vision_config": {
+        "depth": 2,
+        "hidden_act": "gelu_pytorch_tanh",
+        "hidden_size": 32,
+        "in_channels": 3,
+        "initializer_range": 0.02,
+        "intermediate_size": 64,
+        "model_type": "qwen3_5_moe_vision",
+        "num_heads": 2,
+        "num_position_embeddings": 64,
+        "out_hidden_size": 64,
+        "patch_size": 16,
+        "rope_parameters": {"rope_theta": 10000.0, "rope_type": "axial"},
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+    },
+    "vision_end_token_id": 1003,
+    "vision_start_token_id": 1002,
+}
+
+
+def make_hf_vl(cfg: dict = TINY_VL, seed: int = 0):
+    from transformers import Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration
+
+    torch.manual_seed(seed)
+    model = Qwen3_5MoeForConditionalGeneration(Qwen3_5MoeConfig(**copy.deepcopy(cfg))).float().train()
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen) * 0.3
+            if "visual" in name and "norm" in name:
+                p.copy_((1.0 if name.endswith("weight") else 0.0) + noise)  # LayerNorm: perturb around (1, 0)
+            elif "norm" in name or "A_log" in name or "dt_bias" in name or name.endswith("mlp.gate.weight"):
+                p.copy_(noise)
+    return model
+
+
+def vl_from_hf(hf, cfg: dict = TINY_VL, **changes):
+    from hyperpar.models.qwen3_5_moe import Qwen3_5MoeForConditionalGeneration, Qwen3_5MoeVLArgs, Qwen3_5MoeVLStateDictAdapter
+
+    args = Qwen3_5MoeVLArgs.from_hf_config(cfg)
+    if changes:
+        args = args.replace(**changes)
+    with torch.device("meta"):
+        model = Qwen3_5MoeForConditionalGeneration(args)
+    model.to_empty(device="cpu")
+    model.init_buffers()
+    sd = hf.state_dict()
+    adapter = Qwen3_5MoeVLStateDictAdapter(args)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(adapter.load_param(name, sd.__getitem__))
+    return model.train()
+
+
+def vl_batches() -> dict[str, dict[str, torch.Tensor]]:
+    """MODELS.md 14's verification inputs: text, image (two rows), video (one row)."""
+    g = torch.Generator().manual_seed(0)
+    text_ids = torch.randint(0, 900, (2, 24), generator=g)
+    rows = []
+    for _ in range(2):
+        t = torch.randint(0, 900, (16,), generator=g)
+        rows.append(torch.cat([t[:3], torch.tensor([1002] + [1000] * 6 + [1003]), t[3:]]))
+    img_ids = torch.stack(rows)
+    img_labels = img_ids.masked_fill(img_ids == 1000, -100)
+    vid = [5, 6, 7]
+    for grp in range(2):
+        vid += [100 + grp, 101 + grp, 1002] + [1001] * 4 + [1003]
+    vid_ids = torch.tensor([vid + [8, 9, 10]])
+    return {
+        "text": {"input_ids": text_ids, "labels": text_ids},
+        "image": {
+            "input_ids": img_ids, "labels": img_labels,
+            "pixel_values": torch.randn(48, 1536, generator=g),
+            "image_grid_thw": torch.tensor([[1, 4, 6], [1, 6, 4]]),
+            "mm_token_type_ids": (img_ids == 1000).to(torch.int32),
+        },
+        "video": {
+            "input_ids": vid_ids, "labels": vid_ids.masked_fill(vid_ids == 1001, -100),
+            "pixel_values_videos": torch.randn(32, 1536, generator=g),
+            "video_grid_thw": torch.tensor([[2, 4, 4]]),
+            "mm_token_type_ids": (vid_ids == 1001).to(torch.int32) * 2,
+        },
+    }
+
+
+@pytest.mark.parametrize("kind", ["text", "image", "video"])
+def test_vl_matches_transformers(kind: str) -> None:
+    hf = make_hf_vl()
+    ours = vl_from_hf(hf)
+    batch = vl_batches()[kind]
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    ref = hf(**inputs, labels=batch["labels"], use_cache=False, output_router_logits=True)
+    out = ours(**inputs)
+    assert out.logits.shape == ref.logits.shape and out.mtp_logits is None
+    assert (out.logits - ref.logits).abs().max().item() <= 1e-5
+    coef = TINY["router_aux_loss_coef"]
+    assert abs(out.aux_loss.item() / coef - ref.aux_loss.item()) <= 1e-5
+    labels = torch.full_like(batch["labels"], -100)
+    labels[:, :-1] = batch["labels"][:, 1:]
+    lm = F.cross_entropy(out.logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+    ref_lm = ref.loss - coef * ref.aux_loss
+    assert abs(lm.item() - ref_lm.item()) <= 1e-5
+    if kind != "text":  # gradients reach the vision tower like transformers'
+        ref.loss.backward()
+        (lm + out.aux_loss).backward()
+        hf_params = dict(hf.named_parameters())
+        for name, p in ours.named_parameters():
+            if name.startswith("model.visual.") and hf_params[name].grad is not None:
+                assert (p.grad - hf_params[name].grad).abs().max().item() <= 1e-5, name
+
+
+def test_vl_export_import_and_text_family_reads_vl_checkpoint(tmp_path: Path) -> None:
+    from transformers import AutoModelForImageTextToText
+
+    from hyperpar.models.qwen3_5_moe import Qwen3_5MoeForConditionalGeneration
+
+    hf = make_hf_vl(seed=3)
+    ours = vl_from_hf(hf)
+    batch = vl_batches()["image"]
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    with torch.no_grad():
+        mine = ours(**inputs).logits
+    to_hf(ours, tmp_path / "ours")
+    cfg = json.loads((tmp_path / "ours" / "config.json").read_text())
+    assert cfg["model_type"] == "qwen3_5_moe" and cfg["architectures"] == ["Qwen3_5MoeForConditionalGeneration"]
+    reloaded = AutoModelForImageTextToText.from_pretrained(str(tmp_path / "ours"), dtype=torch.float32)
+    hf_sd = reloaded.state_dict()
+    for name, t in ours.state_dict().items():
+        assert torch.equal(hf_sd[name], t), name
+    with torch.no_grad():
+        assert (reloaded(**inputs, use_cache=False).logits - mine).abs().max().item() <= 1e-5
+    again = from_hf(tmp_path / "ours")  # a qwen3_5_moe VL directory builds the VL model
+    assert isinstance(again, Qwen3_5MoeForConditionalGeneration)
+    with torch.no_grad():
+        assert torch.equal(again(**inputs).logits, mine)
+
+    # transformers' own save (per-expert keys) read by the text family: text-only logits agree
+    hf.save_pretrained(str(tmp_path / "hf"))
+    from hyperpar.distributed.materialize import materialize
+    from hyperpar.models.build import ModelBuilder
+
+    builder = ModelBuilder(name="qwen3_5_moe", hf_path=str(tmp_path / "hf"))
+    text_model = materialize(builder.build_meta(), torch.device("cpu"), seed=0, source=builder.weight_source())
+    ids = vl_batches()["text"]["input_ids"]
+    with torch.no_grad():
+        ref = hf(input_ids=ids, use_cache=False).logits
+        assert (text_model(ids).logits - ref).abs().max().item() <= 1e-5
+        assert (ours(ids).logits - ref).abs().max().item() <= 1e-5
+
+
+def test_vl_mtp_and_debug_flavour() -> None:
+    from hyperpar.models.qwen3_5_moe import VL_FLAVORS, Qwen3_5MoeForConditionalGeneration
+
+    cfg = copy.deepcopy(TINY_VL)
+    cfg["text_config"]["mtp_num_hidden_layers"] = 1
+    hf = make_hf_vl()
+    sd = {**hf.state_dict(), **mtp_tensors(TINY, hf, prefix="model.language_model.layers.1.")}
+    hf_like = type("SD", (), {"state_dict": lambda self: sd})()
+    model = vl_from_hf(hf_like, cfg, mtp_loss_weight=0.5)
+    batch = vl_batches()["image"]
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    out = model(**inputs)
+    assert out.mtp_logits.shape == (2, 23, 1024)
+    with torch.no_grad():
+        ref = hf(**inputs, use_cache=False).logits
+    assert (out.logits - ref).abs().max().item() <= 1e-5
+    assert vl_from_hf(hf_like, cfg)(**inputs).mtp_logits is None
+
+    args = VL_FLAVORS["debug"]
+    with torch.device("meta"):
+        m = Qwen3_5MoeForConditionalGeneration(args)
+    assert m.model.visual is not None and m.mtp is not None
+    assert not args.vision.deepstack_visual_indexes and args.vision.out_hidden_size == args.text.hidden_size
+    assert get_model_spec("qwen3_5_moe_vl").default_data == "vl_dummy"

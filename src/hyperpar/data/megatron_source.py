@@ -5,13 +5,16 @@ blend, as megatron's string ``"0.3 /data/a 0.7 /data/b"`` or a YAML list of ``{w
 ``data.split`` picks train / valid / test of megatron's ``--split`` string ``data.extra.split``
 (e.g. ``"969,30,1"``; null: every sequence is train). The EOD id (needed by the reset/mask options)
 is ``data.extra.eod_token_id`` or the eos of ``data.tokenizer``. The built indices are cached in
-``data.cache_dir`` (default: beside the corpus, when writable).
+``data.cache_dir`` (default: beside the corpus, when writable). ``data.extra.blend_schedule`` orders
+a blend's corpora: ``bounded`` (default: every corpus within one sample of its weight at every
+step) or ``megatron`` (megatron-core's order, to reproduce a Megatron-LM run sample for sample).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Mapping
 from typing import Any
 
 from hyperpar.data.registry import DataContext, register_dataset
@@ -35,7 +38,8 @@ def _blend(blend: Any) -> Any:
         return " ".join(w if _is_number(w) else _expand(w) for w in words)
     out = []
     for entry in blend:
-        if isinstance(entry, dict):
+        if isinstance(entry, Mapping):  # a dict, or an OmegaConf DictConfig from a YAML list
+            entry = dict(entry)
             out.append({**entry, "prefix": _expand(entry["prefix"])} if "prefix" in entry else entry)
         else:
             out.append(entry if _is_number(str(entry)) else _expand(entry))
@@ -52,7 +56,7 @@ def _is_number(word: str) -> bool:
 
 @register_dataset("megatron")
 def build_megatron(options: dict, ctx: DataContext) -> Any:
-    from hyperpar.data.megatron import MegatronSource
+    from hyperpar.data.megatron import SCHEDULES, MegatronSource
 
     extra = dict(options.get("extra") or {})
     prefix, blend = options.get("prefix"), options.get("blend")
@@ -72,15 +76,21 @@ def build_megatron(options: dict, ctx: DataContext) -> Any:
     if eod is None and any(flags.values()):
         on = ", ".join(k for k, v in flags.items() if v)
         raise DataError(f"{on} needs the EOD token id", hint="set data.extra.eod_token_id or data.tokenizer")
+    schedule = extra.get("blend_schedule") or "bounded"
+    if schedule not in SCHEDULES:
+        raise DataError(f"data.extra.blend_schedule={schedule!r} is not one of {', '.join(SCHEDULES)}",
+                        hint="bounded: every corpus within one sample of its weight; megatron: Megatron-LM's order")
     cache_dir = options.get("cache_dir")
     source = MegatronSource(
         prefix=_expand(prefix) if prefix is not None else None,
         blend=_blend(blend) if prefix is None else None,
         seq_len=ctx.seq_len, num_samples=ctx.num_samples, seed=ctx.seed, eod_token_id=eod,
         cache_dir=os.path.expanduser(str(cache_dir)) if cache_dir else None,
-        split=str(extra["split"]) if extra.get("split") is not None else None, index_split=split, **flags)
+        split=str(extra["split"]) if extra.get("split") is not None else None, index_split=split,
+        blend_schedule=schedule, **flags)
     if len(source) < ctx.num_samples:
         raise DataError(f"the Megatron data gives {len(source)} samples but the run needs {ctx.num_samples}",
                         hint="more data, fewer train.steps or a smaller global batch")
-    log.info("data: megatron %s, %d samples of %d tokens", prefix or blend, len(source), ctx.seq_len)
+    log.info("data: megatron %s%s, %d samples of %d tokens", prefix or blend,
+             "" if prefix is not None else f" ({schedule} schedule)", len(source), ctx.seq_len)
     return source

@@ -1,9 +1,13 @@
 """Megatron-LM indexed corpora (``.bin``/``.idx``), GPT sampling and blends, with megatron-core's
-names and sample order. ``python -m hyperpar.data.megatron.convert`` turns JSONL into a corpus."""
+names and sample order (``BlendedDataset`` defaults to megatron-core's blend schedule; the
+``"bounded"`` one keeps every corpus within one sample of its weight at every step).
+``python -m hyperpar.data.megatron.convert`` turns JSONL into a corpus."""
 
 from hyperpar.data.megatron.blend import (
+    SCHEDULES,
     BlendedDataset,
     build_blending_indices,
+    build_bounded_blending_indices,
     build_exhaustive_blending_indices,
     build_gpt_dataset,
     get_blend_from_list,
@@ -22,6 +26,7 @@ from hyperpar.data.megatron.source import MegatronSource
 
 __all__ = [
     "DTYPE_CODES",
+    "SCHEDULES",
     "BlendedDataset",
     "GPTDataset",
     "GPTDatasetConfig",
@@ -30,6 +35,7 @@ __all__ = [
     "MegatronSource",
     "Split",
     "build_blending_indices",
+    "build_bounded_blending_indices",
     "build_exhaustive_blending_indices",
     "build_gpt_dataset",
     "get_bin_path",

@@ -2,7 +2,9 @@
 
 Sample ``i`` is sample ``i`` of the dataset megatron-core would build for the same corpus, blend,
 sequence length, seed and sample count, turned into the trainer's shapes: ``input_ids``,
-``labels`` (already shifted, -100 where megatron's loss mask is 0) and ``position_ids``.
+``labels`` (already shifted, -100 where megatron's loss mask is 0) and ``position_ids``. Blends
+default to the bounded schedule (every corpus within one sample of its weight at every step);
+``blend_schedule="megatron"`` gives megatron-core's blend order too, sample for sample.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from hyperpar.data.megatron.blend import BlendSpec, build_gpt_dataset, parse_blend
+from hyperpar.data.megatron.blend import BlendSpec, build_gpt_dataset, check_schedule, parse_blend
 from hyperpar.data.megatron.gpt import GPTDatasetConfig
 from hyperpar.errors import DataError
 
@@ -25,22 +27,25 @@ class MegatronSource:
     ``split`` is megatron's ``--split`` string (e.g. ``"969, 30, 1"``) when the run being matched
     used one; None takes every sequence. With ``reset_attention_mask`` each sample also carries
     ``cu_seqlens`` (int32, document-part boundaries padded to ``seq_len + 1`` with ``seq_len``) and
-    ``max_seqlen``, because a dense L x L mask is too big to ship per sample.
+    ``max_seqlen``, because a dense L x L mask is too big to ship per sample. ``blend_schedule``
+    orders a blend's corpora: ``"bounded"`` (default) or ``"megatron"`` (upstream's order, to
+    reproduce a Megatron-LM run); see ``hyperpar.data.megatron.blend``.
     """
 
     def __init__(self, prefix: str | None = None, blend: BlendSpec | None = None, *, seq_len: int,
                  num_samples: int | None, seed: int = 1234, eod_token_id: int | None = None,
                  reset_position_ids: bool = False, reset_attention_mask: bool = False,
                  eod_mask_loss: bool = False, cache_dir: str | None = None, split: str | None = None,
-                 index_split: str = "train") -> None:
+                 index_split: str = "train", blend_schedule: str = "bounded") -> None:
         if (prefix is None) == (blend is None):
             raise DataError("give exactly one of data prefix or blend")
+        self.blend_schedule = check_schedule(blend_schedule)
         self.config = GPTDatasetConfig(
             random_seed=seed, sequence_length=seq_len, split=split, path_to_cache=cache_dir,
             reset_position_ids=reset_position_ids, reset_attention_mask=reset_attention_mask,
             eod_mask_loss=eod_mask_loss, eod_token_id=eod_token_id)
         spec = ([str(prefix)], None) if prefix is not None else parse_blend(blend)  # type: ignore[arg-type]
-        self.dataset = build_gpt_dataset(spec, num_samples, self.config, index_split)
+        self.dataset = build_gpt_dataset(spec, num_samples, self.config, index_split, blend_schedule)
         total = len(self.dataset)
         self._len = total if num_samples is None else min(num_samples, total)
         if self._len == 0:

@@ -102,8 +102,9 @@ class Qwen3_5TextModel(nn.Module):
         position_ids: torch.Tensor | None = None,
         token_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """input_ids (B, S) token ids, or (B, S, H) hidden states when this stage has no embedding."""
-        h = self.embed_tokens(input_ids) if self.embed_tokens is not None else input_ids
+        """input_ids: (B, S) token ids, or (B, S, H) floating-point input embeddings / hidden states
+        (a VL model's merged text+vision embeddings, or a later pipeline stage's input)."""
+        h = input_ids if input_ids.is_floating_point() else self.embed_tokens(input_ids)
         if position_ids is None:
             B, S = h.shape[:2]
             position_ids = torch.arange(S, device=h.device).unsqueeze(0).expand(B, S)
@@ -164,7 +165,12 @@ class Qwen3_5ForCausalLM(nn.Module):
         self.tie_weights()
 
     def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token (forward + backward), PERF_NOTES.md's formula.
+        """Training FLOPs per token (forward + backward), PERF_NOTES.md's formula (see ``text_flops``)."""
+        return self.text_flops(self.args, seq_len)
+
+    @classmethod
+    def text_flops(cls, a: Qwen3_5Args, seq_len: int) -> float:
+        """Training FLOPs per token of the text model with geometry ``a``:
 
         6 × (non-embedding parameters, lm_head counted even when tied, since its matmul runs)
         + 12 × full layers × nh × hd × seq (attention scores and values)
@@ -173,9 +179,8 @@ class Qwen3_5ForCausalLM(nn.Module):
         attention times V' (C·dv) and the three state products W S, Q S, Kᵀ V' (3·dk·dv)
         multiply-adds; × 2 FLOPs × 3 for forward + backward.
         """
-        a = self.args
         H, V = a.hidden_size, a.vocab_size
-        mlp = self.ffn_active_params() + 2 * H  # + the two decoder norms
+        mlp = cls.ffn_active_params(a) + 2 * H  # + the two decoder norms
         nh, nkv, hd = a.num_attention_heads, a.num_key_value_heads, a.head_dim
         attn = H * 2 * nh * hd + 2 * H * nkv * hd + nh * hd * H + 2 * hd
         nk, nv, dk, dv, kc = (
@@ -192,12 +197,14 @@ class Qwen3_5ForCausalLM(nn.Module):
         gdn_macs = nv * (2 * C * dk + C * (dk + dv) / 2 + C * dv + 3 * dk * dv)
         return float(
             6 * params + 12 * a.num_full_layers * nh * hd * seq_len + 6 * a.num_linear_layers * gdn_macs
-        ) + self.extra_flops_per_token(seq_len)
+        ) + cls.extra_flops(a, seq_len)
 
-    def ffn_active_params(self) -> int:
+    @classmethod
+    def ffn_active_params(cls, a: Qwen3_5Args) -> int:
         """Parameters of one decoder layer's FFN that every token multiplies with."""
-        return 3 * self.args.hidden_size * self.args.intermediate_size
+        return 3 * a.hidden_size * a.intermediate_size
 
-    def extra_flops_per_token(self, seq_len: int) -> float:
+    @classmethod
+    def extra_flops(cls, a: Qwen3_5Args, seq_len: int) -> float:
         """Training FLOPs per token outside the decoder stack and head (e.g. an MTP module)."""
         return 0.0

@@ -1,5 +1,7 @@
-"""Qwen3.5-MoE text model (``Qwen3_5MoeForCausalLM``): the dense Qwen3.5 stack with the sparse MoE
-block as the FFN of every layer, plus the optional multi-token-prediction module ``mtp.*``.
+"""Qwen3.5-MoE: the text model (``Qwen3_5MoeForCausalLM``) — the dense Qwen3.5 stack with the sparse
+MoE block as the FFN of every layer, plus the optional multi-token-prediction module ``mtp.*`` — and
+the vision-language model (``Qwen3_5MoeForConditionalGeneration``): the shared vision tower
+(``model.visual``) in front of the same text model (``model.language_model``).
 
 Parameter names are transformers' (``model.layers.{i}.mlp.gate.weight``,
 ``mlp.experts.gate_up_proj`` …); ``mtp.*`` follows the released checkpoints (MODELS.md 11).
@@ -19,11 +21,20 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hyperpar.models.layers import RMSNorm, SparseMoeBlock, load_balancing_loss, record_router_stats
+from hyperpar.errors import DataError
+from hyperpar.models.layers import (
+    RMSNorm,
+    SparseMoeBlock,
+    init_param_by_module,
+    load_balancing_loss,
+    record_router_stats,
+)
+from hyperpar.models.multimodal import get_rope_index, scatter_features
 from hyperpar.models.output import ModelOutput
 from hyperpar.models.qwen3_5.args import FULL
 from hyperpar.models.qwen3_5.model import Qwen3_5DecoderLayer, Qwen3_5ForCausalLM, Qwen3_5TextModel
-from hyperpar.models.qwen3_5_moe.args import Qwen3_5MoeArgs
+from hyperpar.models.qwen3_5_moe.args import Qwen3_5MoeArgs, Qwen3_5MoeVLArgs
+from hyperpar.models.vision import VisionTower
 
 
 class Qwen3_5MoeDecoderLayer(Qwen3_5DecoderLayer):
@@ -84,6 +95,23 @@ class Qwen3_5MoeMTP(nn.Module):
         h = self.layers["0"](h, cos, sin, token_mask)
         return self.norm(h)
 
+    def predict(
+        self,
+        inputs_embeds: torch.Tensor,
+        hidden: torch.Tensor,
+        rotary: nn.Module,
+        position_ids: torch.Tensor | None,
+        attention_mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """The depth-1 MTP hidden states (B, S−1, H) from full-sequence tensors: the input embeddings
+        the main model consumed (B, S, H), its final hidden states (B, S, H), the main model's rotary
+        module, positions in any accepted format and the optional (B, S) mask."""
+        B, S = inputs_embeds.shape[:2]
+        pos = shift_positions(position_ids, B, S, inputs_embeds.device)
+        cos, sin = rotary(pos, inputs_embeds.dtype)
+        mask = attention_mask[:, 1:] if attention_mask is not None else None
+        return self(inputs_embeds[:, 1:], hidden[:, :-1], cos, sin, mask)
+
 
 class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
     """``forward(input_ids, position_ids=None, attention_mask=None) -> ModelOutput``.
@@ -122,41 +150,183 @@ class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
             logits = self.lm_head(h)
             mtp_logits = None
             if self.mtp_active:
-                next_embeds = self.model.embed_tokens(input_ids[:, 1:])
-                mtp_logits = self.lm_head(self.mtp_hidden(next_embeds, h[:, :-1], position_ids, attention_mask))
+                embeds = self.model.embed_tokens(input_ids)
+                mtp_h = self.mtp.predict(embeds, h, self.model.rotary_emb, position_ids, attention_mask)
+                mtp_logits = self.lm_head(mtp_h)
         aux = self.args.router_aux_loss_coef * load_balancing_loss(stats) if stats else None
         return ModelOutput(logits=logits, aux_loss=aux, mtp_logits=mtp_logits)
 
-    def mtp_hidden(
-        self,
-        next_embeds: torch.Tensor,
-        hidden: torch.Tensor,
-        position_ids: torch.Tensor | None,
-        attention_mask: torch.Tensor | None,
-    ) -> torch.Tensor:
-        """The MTP module on (B, S−1, H) inputs; positions and mask are the full-sequence ones."""
-        B, S1 = next_embeds.shape[:2]
-        pos = shift_positions(position_ids, B, S1 + 1, next_embeds.device)
-        cos, sin = self.model.rotary_emb(pos, next_embeds.dtype)
-        mask = attention_mask[:, 1:] if attention_mask is not None else None
-        return self.mtp(next_embeds, hidden, cos, sin, mask)
-
     # --- framework hooks -------------------------------------------------------------------------
 
-    def ffn_active_params(self) -> int:
-        a = self.args
+    @classmethod
+    def ffn_active_params(cls, a: Qwen3_5MoeArgs) -> int:  # type: ignore[override]
         H = a.hidden_size
         routed = a.num_experts_per_tok * 3 * H * a.moe_intermediate_size
         shared = 3 * H * a.shared_expert_intermediate_size + (H if a.shared_expert_intermediate_size else 0)
         return H * a.num_experts + routed + shared  # router + active experts + shared expert and gate
 
-    def extra_flops_per_token(self, seq_len: int) -> float:
+    @classmethod
+    def extra_flops(cls, a: Qwen3_5MoeArgs, seq_len: int) -> float:  # type: ignore[override]
         """The MTP step when it trains: fc, one full-attention MoE layer, norms and a second lm_head."""
-        if not self.args.mtp_enabled:
+        if not a.mtp_enabled:
             return 0.0
-        a = self.args
         H, V = a.hidden_size, a.vocab_size
         nh, nkv, hd = a.num_attention_heads, a.num_key_value_heads, a.head_dim
         attn = H * 2 * nh * hd + 2 * H * nkv * hd + nh * hd * H + 2 * hd
-        params = 2 * H * H + 3 * H + attn + self.ffn_active_params() + 2 * H + V * H
+        params = 2 * H * H + 3 * H + attn + cls.ffn_active_params(a) + 2 * H + V * H
         return float(6 * params + 12 * nh * hd * seq_len)
+
+
+# --- vision-language ---------------------------------------------------------------------------------
+
+
+class Qwen3_5MoeVLModel(nn.Module):
+    """``model``: vision tower, placeholder scatter, 3-D positions, text decoder (no DeepStack)."""
+
+    def __init__(self, args: Qwen3_5MoeVLArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.visual: VisionTower | None = VisionTower(args.vision)
+        self.language_model = Qwen3_5MoeTextModel(args.text)
+
+    def vision_features(
+        self,
+        pixel_values: torch.Tensor | None,
+        image_grid_thw: torch.Tensor | None,
+        pixel_values_videos: torch.Tensor | None,
+        video_grid_thw: torch.Tensor | None,
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Merged features (n, H) of the images and of the videos (None for an absent modality),
+        from one tower pass over both (items are independent; FSDP gathers each block once)."""
+        items = []
+        for kind, pixels, grid in (("image", pixel_values, image_grid_thw), ("video", pixel_values_videos, video_grid_thw)):
+            if (pixels is None) != (grid is None):
+                have, lack = ("pixel values", "grid_thw") if grid is None else ("grid_thw", "pixel values")
+                raise DataError(f"{kind} {have} given without the {kind} {lack}")
+            items.append((pixels, grid) if pixels is not None and grid.shape[0] > 0 else None)
+        present = [it for it in items if it is not None]
+        if not present:
+            return None, None
+        if self.visual is None:
+            raise DataError("this pipeline stage has no vision tower but received pixel values")
+        feats, _ = self.visual(torch.cat([p for p, _ in present]), torch.cat([g for _, g in present]))
+        out, start = [], 0
+        for it in items:
+            if it is None:
+                out.append(None)
+                continue
+            n = int(it[1].prod(-1).sum()) // self.args.vision.merge_unit
+            out.append(feats[start : start + n])
+            start += n
+        return out[0], out[1]
+
+    def embed(
+        self,
+        input_ids: torch.Tensor,
+        pixel_values: torch.Tensor | None,
+        image_grid_thw: torch.Tensor | None,
+        pixel_values_videos: torch.Tensor | None,
+        video_grid_thw: torch.Tensor | None,
+        mm_token_type_ids: torch.Tensor | None,
+        position_ids: torch.Tensor | None,
+        attention_mask: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(input embeddings with vision features at their placeholders, position ids) — 3-D
+        positions from ``get_rope_index`` when vision grids are given and no positions are."""
+        a = self.args
+        embeds = self.language_model.embed_tokens(input_ids)
+        image, video = self.vision_features(pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw)
+        if image is not None:
+            embeds = scatter_features(embeds, input_ids == a.image_token_id, image, "image")
+        if video is not None:
+            embeds = scatter_features(embeds, input_ids == a.video_token_id, video, "video")
+        if position_ids is None and (image_grid_thw is not None or video_grid_thw is not None):
+            position_ids, _ = get_rope_index(
+                input_ids, mm_token_type_ids, image_grid_thw, video_grid_thw,
+                spatial_merge_size=a.vision.spatial_merge_size, attention_mask=attention_mask,
+            )
+        return embeds, position_ids
+
+
+class Qwen3_5MoeForConditionalGeneration(nn.Module):
+    """``forward(input_ids, pixel_values=None, image_grid_thw=None, pixel_values_videos=None,
+    video_grid_thw=None, mm_token_type_ids=None, position_ids=None, attention_mask=None) -> ModelOutput``.
+
+    Same outputs as ``Qwen3_5MoeForCausalLM`` (logits, aux_loss, mtp_logits); the MTP step reads the
+    merged input embeddings (vision features at placeholder positions) and the 3-D positions.
+    Without an embedding (a later pipeline stage) input_ids are hidden states; without an
+    ``lm_head`` forward returns hidden states.
+    """
+
+    def __init__(self, args: Qwen3_5MoeVLArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.model = Qwen3_5MoeVLModel(args)
+        self.lm_head: nn.Linear | None = nn.Linear(args.text.hidden_size, args.text.vocab_size, bias=False)
+        self.mtp: Qwen3_5MoeMTP | None = Qwen3_5MoeMTP(args.text) if args.text.mtp_num_hidden_layers > 0 else None
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Share ``lm_head.weight`` with the embedding when the top-level config ties them (again
+        after ``to_empty``, which materialises each module separately)."""
+        emb = self.model.language_model.embed_tokens
+        if self.args.tie_word_embeddings and self.lm_head is not None and emb is not None:
+            self.lm_head.weight = emb.weight
+
+    @property
+    def tied_weights(self) -> dict[str, str]:
+        return {"lm_head.weight": "model.language_model.embed_tokens.weight"} if self.args.tie_word_embeddings else {}
+
+    @property
+    def mtp_active(self) -> bool:
+        return self.args.mtp_loss_weight > 0 and self.mtp is not None and self.lm_head is not None
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        pixel_values: torch.Tensor | None = None,
+        image_grid_thw: torch.Tensor | None = None,
+        pixel_values_videos: torch.Tensor | None = None,
+        video_grid_thw: torch.Tensor | None = None,
+        mm_token_type_ids: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> ModelOutput | torch.Tensor:
+        lm = self.model.language_model
+        with record_router_stats() as stats:
+            if lm.embed_tokens is None or input_ids.is_floating_point():
+                embeds = input_ids
+            else:
+                embeds, position_ids = self.model.embed(
+                    input_ids, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw,
+                    mm_token_type_ids, position_ids, attention_mask,
+                )
+            h = lm(embeds, position_ids, attention_mask)
+            if self.lm_head is None:
+                return h
+            logits = self.lm_head(h)
+            mtp_logits = None
+            if self.mtp_active and lm.embed_tokens is not None:
+                mtp_h = self.mtp.predict(embeds, h, lm.rotary_emb, position_ids, attention_mask)
+                mtp_logits = self.lm_head(mtp_h)
+        aux = self.args.text.router_aux_loss_coef * load_balancing_loss(stats) if stats else None
+        return ModelOutput(logits=logits, aux_loss=aux, mtp_logits=mtp_logits)
+
+    # --- framework hooks (see hyperpar.models.spec) -----------------------------------------
+
+    def init_param(self, name: str, full: torch.Tensor, gen: torch.Generator) -> None:
+        """Fill the full-shaped fp32 tensor of parameter ``name`` in place (a pure function of gen)."""
+        prefix = "model.visual."
+        if name.startswith(prefix) and self.model.visual is not None:
+            self.model.visual.init_param(name[len(prefix) :], full, gen)
+        else:
+            init_param_by_module(self, name, full, gen, std=self.args.text.initializer_range)
+
+    def init_buffers(self) -> None:
+        self.model.language_model.rotary_emb.reset_buffers()
+        self.tie_weights()
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per text token of the text model (and MTP when it trains); the vision
+        tower is not included (its cost depends on the images per token)."""
+        return Qwen3_5MoeForCausalLM.text_flops(self.args.text_for_mtp, seq_len)

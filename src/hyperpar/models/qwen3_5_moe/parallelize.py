@@ -1,32 +1,25 @@
-"""How Qwen3.5-MoE is cut: (TP/CP/EP/PP later) -> activation checkpointing -> FSDP per decoder layer,
-with the MTP module as one more unit of its own."""
+"""How Qwen3.5-MoE (text and VL) is cut: (TP/CP/EP/PP later) -> activation checkpointing -> FSDP per decoder layer;
+the MTP decoder layer is checkpointed and sharded as a unit of its own (its fc and norms stay in
+the root unit with the embedding and head)."""
 
 from __future__ import annotations
 
 from torch import nn
 
-from hyperpar.config import dtype_of
-from hyperpar.distributed.activation_checkpoint import apply_activation_checkpoint
 from hyperpar.distributed.data_parallel import apply_ac_and_dp
-from hyperpar.distributed.fsdp import apply_fsdp
 
 
 def parallelize_qwen3_5_moe(model: nn.Module, parallel_dims, job_cfg) -> nn.Module:
     parallel_dims.check_supported()
-    train = job_cfg.train
     mtp = getattr(model, "mtp", None)
-    if mtp is None:
-        return apply_ac_and_dp(model, model.model.layers, parallel_dims, train)
-    # apply_ac_and_dp's order, with the MTP block checkpointed like a decoder layer and sharded as
-    # the last unit (it runs after the main stack).
-    apply_activation_checkpoint(model.model.layers, train.activation_checkpoint)
-    apply_activation_checkpoint(mtp.layers, train.activation_checkpoint)
-    mp = train.mixed_precision
-    apply_fsdp(
-        model,
-        [*model.model.layers.values(), mtp],
-        parallel_dims.fsdp_mesh(),
-        param_dtype=dtype_of(mp.param_dtype),
-        reduce_dtype=dtype_of(mp.reduce_dtype),
-    )
-    return model
+    extra = [mtp.layers] if mtp is not None else []
+    return apply_ac_and_dp(model, model.model.layers, parallel_dims, job_cfg.train, extra_blocks=extra)
+
+
+def parallelize_qwen3_5_moe_vl(model: nn.Module, parallel_dims, job_cfg) -> nn.Module:
+    """The same per text layer, plus each vision block as a unit (the tower's embeddings and merger
+    stay in the root unit)."""
+    parallel_dims.check_supported()
+    visual, mtp = model.model.visual, model.mtp
+    extra = ([visual.blocks] if visual is not None else []) + ([mtp.layers] if mtp is not None else [])
+    return apply_ac_and_dp(model, model.model.language_model.layers, parallel_dims, job_cfg.train, extra_blocks=extra)

@@ -9,6 +9,9 @@ Our names are transformers' ``Qwen3_5MoeForCausalLM`` names plus ``mtp.*``. Impo
   packing (E, H, 2·Ie) / (E, Ie, H), recognised by shape when it differs from ours;
 - ``mtp.*`` under the same rules (inference engines' names).
 Export writes the text layout with packed experts and ``mtp.*`` (transformers skips ``mtp.*``).
+
+The VL model's names are the VL checkpoint's (``model.language_model.*``, ``model.visual.*``,
+``lm_head.weight``, ``mtp.*``): its adapter maps them one to one, with the same expert forms.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import torch
 
 from hyperpar.errors import CheckpointError
 from hyperpar.models.qwen3_5.state_dict import Qwen3_5StateDictAdapter, canonical_name
-from hyperpar.models.qwen3_5_moe.args import Qwen3_5MoeArgs
+from hyperpar.models.qwen3_5_moe.args import Qwen3_5MoeArgs, Qwen3_5MoeVLArgs
 
 _PACKED = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 
@@ -77,6 +80,45 @@ class Qwen3_5MoeStateDictAdapter(Qwen3_5StateDictAdapter):
         if name.startswith("mtp."):
             return {name: tensor}
         return super().export_param(name, tensor)
+
+    def hf_config(self) -> dict[str, Any]:
+        return self.args.to_hf_config()
+
+
+class Qwen3_5MoeVLStateDictAdapter:
+    _PREFIXES = ("model.language_model.", "model.visual.", "mtp.")
+
+    def __init__(self, args: Qwen3_5MoeVLArgs) -> None:
+        self.args = args
+        self._text = Qwen3_5MoeStateDictAdapter(args.text)  # the expert-layout rules
+
+    def hf_keys(self, name: str) -> list[str]:
+        name = canonical_name(name)
+        if name == "lm_head.weight":
+            tied = ["model.language_model.embed_tokens.weight"] if self.args.tie_word_embeddings else []
+            return ["lm_head.weight", *tied]
+        if name.startswith(self._PREFIXES):
+            return [name]
+        raise CheckpointError(f"qwen3_5_moe_vl: parameter '{name}' has no checkpoint key")
+
+    def load_param(self, name: str, read: Callable[[str], torch.Tensor]) -> torch.Tensor:
+        name = canonical_name(name)
+        keys = self.hf_keys(name)
+        for key in keys:
+            try:
+                if name.endswith(_PACKED):
+                    return self._text._read_experts(name, key, read)
+                return read(key)
+            except KeyError:
+                continue
+        raise CheckpointError(f"checkpoint has no tensor for '{name}' (tried {', '.join(keys)})")
+
+    def export_param(self, name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+        name = canonical_name(name)
+        if name == "lm_head.weight" and self.args.tie_word_embeddings:
+            return {}
+        self.hf_keys(name)  # rejects names that are not ours
+        return {name: tensor}
 
     def hf_config(self) -> dict[str, Any]:
         return self.args.to_hf_config()
