@@ -120,6 +120,7 @@ def worker_main(cfg: DictConfig, run_dir: str) -> dict[str, Any]:
             device_info=dev, device=device, run_dir=run_dir, steps=t.steps, max_grad_norm=t.max_grad_norm,
             flops_per_token=seq_flops, peak_flops=dev.peak_flops(torch.float32 if t.mixed_precision.param_dtype == "float32" else torch.bfloat16),
             rank=rank, metrics=None, checkpointer=checkpointer, stop_after_steps=t.stop_after_steps, preemption=preemption,
+            mtp_loss_weight=cfg.model.mtp_loss_weight,
         )
         checkpointer.resume(trainer)
         # metrics.jsonl is appended to: a resumed run continues its file (readers keep the last record per step).

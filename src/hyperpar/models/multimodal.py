@@ -110,10 +110,6 @@ def get_rope_index(
     return position_ids, torch.tensor(deltas, device=device).unsqueeze(1)
 
 
-def placeholder_mask(input_ids: torch.Tensor, token_id: int) -> torch.Tensor:
-    return input_ids == token_id
-
-
 def scatter_features(
     embeds: torch.Tensor, mask: torch.Tensor, features: torch.Tensor, kind: str
 ) -> torch.Tensor:

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hyperpar.errors import TrainingError
+from hyperpar.models.output import ModelOutput
 from hyperpar.train.loss import count_valid_tokens, token_loss_sum
 from hyperpar.train.metrics import MetricsWriter
 from hyperpar.train.optim import clip_grad_norm
@@ -44,6 +45,7 @@ class Trainer:
         checkpointer: Any = None,
         stop_after_steps: int | None = None,
         preemption: Any = None,
+        mtp_loss_weight: float = 0.0,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
@@ -63,6 +65,7 @@ class Trainer:
         self.stop_after_steps = stop_after_steps
         self.preemption = preemption  # has ``.requested`` (set by SIGTERM), see checkpoint/preemption.py
         self.stop_reason: str | None = None
+        self.mtp_loss_weight = float(mtp_loss_weight)
         self.step = 0  # optimizer steps done
         self.tokens_seen = 0
         self.samples_seen = 0
@@ -83,17 +86,43 @@ class Trainer:
         if global_tokens.item() == 0:
             raise TrainingError(f"step {self.step + 1}: the global batch has no token with a label", hint="check the data's loss masking")
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
+        aux_sum = torch.zeros((), dtype=torch.float32, device=self.device)
+        mtp_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         n = len(micro_batches)
+        # The aux loss is a per-forward statistic: average it over every micro-batch of the global
+        # batch, which is the same set of micro-batches in any layout with the same micro-batch size.
+        global_micro_batches = n * self.loader.dp_size
+        mtp_tokens = None
+        saw_aux = False
+        if self.mtp_loss_weight > 0:
+            local = sum(count_valid_tokens(mb["labels"][:, 1:]) for mb in micro_batches).to(torch.float32)
+            mtp_tokens = self._sum_over_dp(local.to(self.device)).clamp_min(1.0)
         for i, mb in enumerate(micro_batches):
             if hasattr(self.model, "set_requires_gradient_sync"):
                 # Reduce gradients once per optimizer step, after the last micro-batch.
                 self.model.set_requires_gradient_sync(i == n - 1)
-            logits = self.model(**_model_inputs(mb, self.device))
-            mb_loss = token_loss_sum(logits, mb["labels"].to(self.device))
-            (mb_loss / global_tokens).backward()
+            out = self.model(**_model_inputs(mb, self.device))
+            labels = mb["labels"].to(self.device)
+            logits = out.logits if isinstance(out, ModelOutput) else out
+            mb_loss = token_loss_sum(logits, labels)
+            objective = mb_loss / global_tokens
+            if isinstance(out, ModelOutput) and out.aux_loss is not None:
+                objective = objective + out.aux_loss.float() / global_micro_batches
+                aux_sum += out.aux_loss.detach().float()
+                saw_aux = True
+            if isinstance(out, ModelOutput) and out.mtp_logits is not None and mtp_tokens is not None:
+                mb_mtp = token_loss_sum(out.mtp_logits, labels[:, 1:])
+                objective = objective + self.mtp_loss_weight * mb_mtp / mtp_tokens
+                mtp_sum += mb_mtp.detach()
+            objective.backward()
             loss_sum += mb_loss.detach()
         grad_norm = clip_grad_norm(self.model.parameters(), self.max_grad_norm)
         loss = (self._sum_over_dp(loss_sum) / global_tokens).item()
+        extra: dict[str, float] = {}
+        if saw_aux:
+            extra["aux_loss"] = (self._sum_over_dp(aux_sum) / global_micro_batches).item()
+        if mtp_tokens is not None:
+            extra["mtp_loss"] = (self._sum_over_dp(mtp_sum) / mtp_tokens).item()
         if not math.isfinite(loss) or not math.isfinite(grad_norm.item()):
             raise TrainingError(
                 f"non-finite loss at step {self.step + 1}: loss={loss}, grad_norm={grad_norm.item()}",
@@ -123,6 +152,7 @@ class Trainer:
             "step_time_s": dt,
             "peak_mem_mb": self.device_info.peak_memory_mb(),
             "mfu": mfu,
+            **extra,
         }
 
     def counters(self) -> dict[str, int]:

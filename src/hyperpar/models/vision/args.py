@@ -88,6 +88,9 @@ class VisionArgs:
     def from_hf_config(cls, d: dict[str, Any]) -> "VisionArgs":
         """From a ``vision_config`` dict; absent fields take transformers' class defaults."""
         rope = dict(d.get("rope_parameters") or {})
+        model_type = str(d.get("model_type", "qwen3_vl_moe_vision"))
+        # Qwen3-VL-MoE's class default is [8, 16, 24]; Qwen3.5 vision configs have no such field.
+        deepstack = d.get("deepstack_visual_indexes", [8, 16, 24] if "vl_moe" in model_type else [])
         rope_type = rope.get("rope_type", "axial")
         if rope_type != "axial":
             raise ConfigError(f"vision: rope_type '{rope_type}' is not supported", hint="only 'axial' is")
@@ -103,11 +106,10 @@ class VisionArgs:
             temporal_patch_size=_int_or_first(d.get("temporal_patch_size", 2), "temporal_patch_size"),
             out_hidden_size=int(d.get("out_hidden_size", 3584)),
             num_position_embeddings=int(d.get("num_position_embeddings", 2304)),
-            # Qwen3-VL-MoE's class default is [8, 16, 24]; Qwen3.5 vision configs have no such field.
-            deepstack_visual_indexes=list(d.get("deepstack_visual_indexes", [8, 16, 24] if "vl_moe" in str(d.get("model_type", "qwen3_vl_moe_vision")) else [])),
+            deepstack_visual_indexes=list(deepstack),
             rope_theta=float(rope.get("rope_theta", 10000.0)),
             initializer_range=float(d.get("initializer_range", 0.02)),
-            model_type=str(d.get("model_type", "qwen3_vl_moe_vision")),
+            model_type=model_type,
         )
 
     def to_hf_config(self) -> dict[str, Any]:

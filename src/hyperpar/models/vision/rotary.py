@@ -11,6 +11,7 @@ from typing import Sequence
 
 import torch
 
+from hyperpar.errors import DataError
 from hyperpar.models.layers.rope import apply_rotary
 
 
@@ -28,7 +29,7 @@ def patch_coords(grid_thw: torch.Tensor, merge: int, device: torch.device | None
     out = []
     for t, h, w in _grid_list(grid_thw):
         if h % merge or w % merge:
-            raise ValueError(f"grid ({t}, {h}, {w}) is not a multiple of the spatial merge size {merge}")
+            raise DataError(f"grid ({t}, {h}, {w}) is not a multiple of the spatial merge size {merge}")
         # Indices shaped (block row, in-block row, block col, in-block col), then block-major order.
         rows = torch.arange(h, device=device).view(h // merge, merge, 1, 1).expand(-1, -1, w // merge, merge)
         cols = torch.arange(w, device=device).view(1, 1, w // merge, merge).expand(h // merge, merge, -1, -1)

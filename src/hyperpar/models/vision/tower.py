@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hyperpar.errors import DataError
 from hyperpar.models.layers import init_param_by_module
 from hyperpar.models.layers.attention import attention_core
 from hyperpar.models.vision.args import VisionArgs
@@ -125,7 +126,7 @@ class VisionTower(nn.Module):
         a = self.args
         rows = int(grid_thw.prod(-1).sum())
         if pixel_values.shape != (rows, a.patch_dim):
-            raise ValueError(
+            raise DataError(
                 f"pixel values of shape {tuple(pixel_values.shape)} do not match the grids "
                 f"({rows} patches of width {a.patch_dim} expected)"
             )
@@ -133,28 +134,17 @@ class VisionTower(nn.Module):
         runs = frame_runs(grid_thw)
         index, weight = position_interpolation(grid_thw, coords, a.num_grid_per_side)
         h = self.patch_embed(pixel_values)
-        pos = (self.pos_embed(index) * weight.unsqueeze(-1).to(self.pos_embed.weight.dtype)).sum(1)
+        pos = (self.pos_embed(index) * weight.unsqueeze(-1)).sum(1)  # fp32 weights: the blend is fp32
         h = h + pos.to(h.dtype)
         deepstack: list[torch.Tensor] = []
-        for i, block in enumerate(self.blocks.values()):
+        for name, block in self.blocks.items():
             h = block(h, coords, runs)
+            i = int(name)
             if i in a.deepstack_visual_indexes:
                 deepstack.append(self.deepstack_merger_list[a.deepstack_visual_indexes.index(i)](h))
         return self.merger(h), deepstack
-
-    def tokens_per_item(self, grid_thw: torch.Tensor) -> list[int]:
-        """Merged tokens each item contributes: t·h·w / m²."""
-        return (grid_thw.prod(-1) // self.args.merge_unit).tolist()
 
     def init_param(self, name: str, full: torch.Tensor, gen: torch.Generator) -> None:
         """Fill parameter ``name`` (relative to the tower) like transformers' ``_init_weights``:
         Linear / Conv3d / Embedding weights ~ N(0, initializer_range), biases 0, LayerNorm (1, 0)."""
         init_param_by_module(self, name, full, gen, std=self.args.initializer_range)
-
-    def flops_per_patch(self) -> float:
-        """Training FLOPs per patch row (forward + backward) from the matmul parameters, without attention scores."""
-        a = self.args
-        Dv, Iv, m2 = a.hidden_size, a.intermediate_size, a.merge_unit
-        block = 4 * Dv * Dv + 2 * Dv * Iv
-        merger = (m2 * Dv * m2 * Dv + m2 * Dv * a.out_hidden_size) / m2
-        return 6.0 * (a.patch_dim * Dv + a.depth * block + merger * (1 + len(a.deepstack_visual_indexes)))
