@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from omegaconf import DictConfig
+from torch import nn
 
 from hyperpar.config import dtype_of
 from hyperpar.distributed.parallel_dims import ParallelDims
@@ -53,6 +54,16 @@ class Plan:
         return "\n".join(lines)
 
 
+def _block_sizes(model: nn.Module):
+    """Parameter counts of every block in an indexable container (text layers, vision blocks, MTP layers):
+    those are the FSDP units, and the largest one is all-gathered at a time."""
+    for module in model.modules():
+        if isinstance(module, (nn.ModuleDict, nn.ModuleList)):
+            children = module.values() if isinstance(module, nn.ModuleDict) else module
+            for block in children:
+                yield sum(p.numel() for p in block.parameters())
+
+
 def check_data_type(name: str) -> None:
     """An unknown data.type fails in the driver, before any worker starts."""
     from hyperpar.data.registry import available
@@ -87,8 +98,7 @@ def make_plan(cfg: DictConfig, *, strict: bool = True) -> Plan:
 
     meta = builder.build_meta()
     total = sum(p.numel() for p in meta.parameters())
-    layers = getattr(getattr(meta, "model", meta), "layers", None)
-    largest = max((sum(p.numel() for p in blk.parameters()) for blk in layers.values()), default=0) if layers is not None else 0
+    largest = max((block_params for block_params in _block_sizes(meta)), default=0)
     shard = pdims.fsdp_size * pdims.tp * pdims.pp
     per_rank = total / shard
     master = 4  # FSDP keeps sharded fp32 master weights, fp32 grads and fp32 AdamW moments
