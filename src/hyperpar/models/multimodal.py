@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from hyperpar.errors import DataError
 
@@ -157,3 +158,39 @@ def add_deepstack(hidden: torch.Tensor, visual_mask: torch.Tensor, feature: torc
     B, S, H = hidden.shape
     index = visual_mask.reshape(-1).nonzero().flatten()
     return hidden.reshape(B * S, H).index_add(0, index, feature.to(hidden.dtype)).view(B, S, H)
+
+
+def tower_features(
+    visual: nn.Module | None,
+    merge_unit: int,
+    pixel_values: torch.Tensor | None,
+    image_grid_thw: torch.Tensor | None,
+    pixel_values_videos: torch.Tensor | None,
+    video_grid_thw: torch.Tensor | None,
+) -> tuple[tuple[torch.Tensor, list[torch.Tensor]] | None, tuple[torch.Tensor, list[torch.Tensor]] | None]:
+    """(features, deepstack features) for the images and for the videos, or None for an absent modality."""
+    items = []
+    for kind, pixels, grid in (("image", pixel_values, image_grid_thw), ("video", pixel_values_videos, video_grid_thw)):
+        if (pixels is None) != (grid is None):
+            have, lack = ("pixel values", "grid_thw") if grid is None else ("grid_thw", "pixel values")
+            raise DataError(f"{kind} {have} given without the {kind} {lack}")
+        items.append((pixels, grid) if pixels is not None and grid.shape[0] > 0 else None)
+    present = [it for it in items if it is not None]
+    if not present:
+        return None, None
+    if visual is None:
+        raise DataError("this pipeline stage has no vision tower but received pixel values")
+    # One tower pass for images and videos together: items are independent (per-item positions,
+    # per-frame attention), and under FSDP each block is gathered once instead of twice.
+    pixels = torch.cat([p for p, _ in present]) if len(present) > 1 else present[0][0]
+    grids = torch.cat([g for _, g in present]) if len(present) > 1 else present[0][1]
+    feats, deep = visual(pixels, grids)
+    out, start = [], 0
+    for it in items:
+        if it is None:
+            out.append(None)
+            continue
+        n = int(it[1].prod(-1).sum()) // merge_unit
+        out.append((feats[start : start + n], [d[start : start + n] for d in deep]))
+        start += n
+    return out[0], out[1]

@@ -21,7 +21,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hyperpar.errors import DataError
 from hyperpar.models.layers import (
     RMSNorm,
     SparseMoeBlock,
@@ -29,7 +28,7 @@ from hyperpar.models.layers import (
     load_balancing_loss,
     record_router_stats,
 )
-from hyperpar.models.multimodal import get_rope_index, scatter_features
+from hyperpar.models.multimodal import get_rope_index, scatter_features, tower_features
 from hyperpar.models.output import ModelOutput
 from hyperpar.models.qwen3_5.args import FULL
 from hyperpar.models.qwen3_5.model import Qwen3_5DecoderLayer, Qwen3_5ForCausalLM, Qwen3_5TextModel
@@ -189,37 +188,6 @@ class Qwen3_5MoeVLModel(nn.Module):
         self.visual: VisionTower | None = VisionTower(args.vision)
         self.language_model = Qwen3_5MoeTextModel(args.text)
 
-    def vision_features(
-        self,
-        pixel_values: torch.Tensor | None,
-        image_grid_thw: torch.Tensor | None,
-        pixel_values_videos: torch.Tensor | None,
-        video_grid_thw: torch.Tensor | None,
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Merged features (n, H) of the images and of the videos (None for an absent modality),
-        from one tower pass over both (items are independent; FSDP gathers each block once)."""
-        items = []
-        for kind, pixels, grid in (("image", pixel_values, image_grid_thw), ("video", pixel_values_videos, video_grid_thw)):
-            if (pixels is None) != (grid is None):
-                have, lack = ("pixel values", "grid_thw") if grid is None else ("grid_thw", "pixel values")
-                raise DataError(f"{kind} {have} given without the {kind} {lack}")
-            items.append((pixels, grid) if pixels is not None and grid.shape[0] > 0 else None)
-        present = [it for it in items if it is not None]
-        if not present:
-            return None, None
-        if self.visual is None:
-            raise DataError("this pipeline stage has no vision tower but received pixel values")
-        feats, _ = self.visual(torch.cat([p for p, _ in present]), torch.cat([g for _, g in present]))
-        out, start = [], 0
-        for it in items:
-            if it is None:
-                out.append(None)
-                continue
-            n = int(it[1].prod(-1).sum()) // self.args.vision.merge_unit
-            out.append(feats[start : start + n])
-            start += n
-        return out[0], out[1]
-
     def embed(
         self,
         input_ids: torch.Tensor,
@@ -235,7 +203,8 @@ class Qwen3_5MoeVLModel(nn.Module):
         positions from ``get_rope_index`` when vision grids are given and no positions are."""
         a = self.args
         embeds = self.language_model.embed_tokens(input_ids)
-        image, video = self.vision_features(pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw)
+        image, video = (None if f is None else f[0] for f in tower_features(
+            self.visual, self.args.vision.merge_unit, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw))
         if image is not None:
             embeds = scatter_features(embeds, input_ids == a.image_token_id, image, "image")
         if video is not None:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hyperpar.errors import DataError
 from hyperpar.models.layers import (
     Attention,
     RMSNorm,
@@ -30,7 +29,7 @@ from hyperpar.models.layers import (
     load_balancing_loss,
     record_router_stats,
 )
-from hyperpar.models.multimodal import add_deepstack, deepstack_inputs, get_rope_index, scatter_features
+from hyperpar.models.multimodal import add_deepstack, deepstack_inputs, get_rope_index, scatter_features, tower_features
 from hyperpar.models.output import ModelOutput
 from hyperpar.models.qwen3_vl_moe.args import Qwen3VLMoeArgs, Qwen3VLMoeTextArgs
 from hyperpar.models.vision import VisionTower
@@ -112,40 +111,6 @@ class Qwen3VLMoeModel(nn.Module):
         self.visual: VisionTower | None = VisionTower(args.vision)
         self.language_model = Qwen3VLMoeTextModel(args.text)
 
-    def _vision_features(
-        self,
-        pixel_values: torch.Tensor | None,
-        image_grid_thw: torch.Tensor | None,
-        pixel_values_videos: torch.Tensor | None,
-        video_grid_thw: torch.Tensor | None,
-    ) -> tuple[tuple[torch.Tensor, list[torch.Tensor]] | None, tuple[torch.Tensor, list[torch.Tensor]] | None]:
-        """(features, deepstack features) for the images and for the videos, or None for an absent modality."""
-        items = []
-        for kind, pixels, grid in (("image", pixel_values, image_grid_thw), ("video", pixel_values_videos, video_grid_thw)):
-            if (pixels is None) != (grid is None):
-                have, lack = ("pixel values", "grid_thw") if grid is None else ("grid_thw", "pixel values")
-                raise DataError(f"{kind} {have} given without the {kind} {lack}")
-            items.append((pixels, grid) if pixels is not None and grid.shape[0] > 0 else None)
-        present = [it for it in items if it is not None]
-        if not present:
-            return None, None
-        if self.visual is None:
-            raise DataError("this pipeline stage has no vision tower but received pixel values")
-        # One tower pass for images and videos together: items are independent (per-item positions,
-        # per-frame attention), and under FSDP each block is gathered once instead of twice.
-        pixels = torch.cat([p for p, _ in present]) if len(present) > 1 else present[0][0]
-        grids = torch.cat([g for _, g in present]) if len(present) > 1 else present[0][1]
-        feats, deep = self.visual(pixels, grids)
-        out, start = [], 0
-        for it in items:
-            if it is None:
-                out.append(None)
-                continue
-            n = int(it[1].prod(-1).sum()) // self.args.vision.merge_unit
-            out.append((feats[start : start + n], [d[start : start + n] for d in deep]))
-            start += n
-        return out[0], out[1]
-
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -161,7 +126,8 @@ class Qwen3VLMoeModel(nn.Module):
             return lm(input_ids, position_ids)
         a = self.args
         embeds = lm.embed_tokens(input_ids)
-        image, video = self._vision_features(pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw)
+        image, video = tower_features(self.visual, self.args.vision.merge_unit, pixel_values, image_grid_thw,
+                                      pixel_values_videos, video_grid_thw)
         image_mask = video_mask = None
         if image is not None:
             image_mask = input_ids == a.image_token_id
