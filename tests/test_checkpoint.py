@@ -7,90 +7,35 @@ through the real CLI and are marked slow; everything one process can prove runs 
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from helpers import cli_env, compose_cfg, read_losses, run_cli
+import fixtures
+from fixtures import CKPT, SMALL
+from helpers import cli_small, compose_cfg, one_error_line, read_losses, records, run_cli, run_small, steps_logged
 from hyperpar.checkpoint import directory as d
 from hyperpar.errors import CheckpointError
 from hyperpar.launch import run_job, worker_main
-
-SMALL = ["train.seq_len=16", "train.global_batch_size=4", "train.micro_batch_size=1", "launch.threads_per_rank=1"]
-CKPT = ["checkpoint=default", "checkpoint.save_steps=5"]
-STEPS = 20
-DETERMINISTIC = ("step", "loss", "grad_norm", "lr", "tokens", "tokens_seen")
-
-# tiny_configs/qwen3_5_causal_lm.json, tied embeddings: a second geometry (and the tied export path)
-TINY = {
-    "architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text", "vocab_size": 1024, "hidden_size": 64,
-    "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
-    "head_dim": 64, "hidden_act": "silu", "rms_norm_eps": 1e-06, "tie_word_embeddings": True,
-    "layer_types": ["linear_attention", "full_attention", "linear_attention", "full_attention"],
-    "linear_conv_kernel_dim": 4, "linear_key_head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
-    "linear_value_head_dim": 32, "max_position_embeddings": 4096, "attention_bias": False,
-    "rope_parameters": {"mrope_interleaved": True, "mrope_section": [3, 3, 2], "partial_rotary_factor": 0.25,
-                        "rope_theta": 10000000.0, "rope_type": "default"},
-}  # fmt: skip
-
-
-def _run(run_dir: Path, overrides: list[str]) -> dict[int, float]:
-    """One in-process job through the driver's run_job (preflight + worker), like the CLI does."""
-    cfg = compose_cfg(["metrics.progress_bar=false", *SMALL, f"train.steps={STEPS}", *overrides])
-    run_dir.mkdir(parents=True, exist_ok=True)
-    run_job(cfg, str(run_dir))
-    return read_losses(run_dir)
-
-
-def _cli(run_dir: Path, overrides: list[str], *, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
-    res = subprocess.run([sys.executable, "-m", "hyperpar", *SMALL, f"train.steps={STEPS}", *overrides,
-                          f"hydra.run.dir={run_dir}"], cwd=run_dir.parent, env={**cli_env(), **(env or {})},
-                         capture_output=True, text=True, timeout=timeout)
-    return res
-
-
-def records(run_dir: Path) -> dict[int, dict]:
-    """metrics.jsonl deduplicated by step (the last record wins), deterministic fields only."""
-    out = {}
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        rec = json.loads(line)
-        out[rec["step"]] = {k: rec[k] for k in DETERMINISTIC}
-    return out
-
-
-def steps_logged(run_dir: Path) -> list[int]:
-    return [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def one_error_line(res: subprocess.CompletedProcess) -> str:
-    assert res.returncode != 0
-    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1, res.stderr[-3000:]
-    assert "Traceback" not in res.stderr
-    return lines[0]
-
 
 @pytest.fixture(scope="module")
 def single_base(tmp_path_factory) -> Path:
     """The uninterrupted single-process 20-step run, saving every 5 steps (kept: all)."""
     run = tmp_path_factory.mktemp("single") / "base"
-    _run(run, [*CKPT, "checkpoint.keep_last=0"])
+    run_small(run, [*CKPT, "checkpoint.keep_last=0"])
     return run
 
 
 # ---- exact resume ---------------------------------------------------------------------------------
 def test_single_stop_and_resume_is_bitwise(single_base, tmp_path):
     run = tmp_path / "run"
-    first = _run(run, [*CKPT, "train.stop_after_steps=10"])
+    first = run_small(run, [*CKPT, "train.stop_after_steps=10"])
     assert sorted(first) == list(range(1, 11))
     assert [s for s, _ in d.list_complete(run / "checkpoints")] == [5, 10]
     assert (run / "checkpoints" / "latest").read_text().strip() == "step_10"
-    _run(run, CKPT)  # resume: auto
+    run_small(run, CKPT)  # resume: auto
     assert steps_logged(run) == list(range(1, 21))  # metrics.jsonl continues, nothing re-run
     assert records(run) == records(single_base)  # bitwise: losses, grad norms, LRs, token counters
     assert [s for s, _ in d.list_complete(run / "checkpoints")] == [15, 20]  # keep_last=2
@@ -101,15 +46,15 @@ def test_single_stop_and_resume_is_bitwise(single_base, tmp_path):
 
 def test_async_save_resume_is_bitwise(single_base, tmp_path):
     run = tmp_path / "run"
-    _run(run, [*CKPT, "checkpoint.async_save=true", "train.stop_after_steps=10"])
+    run_small(run, [*CKPT, "checkpoint.async_save=true", "train.stop_after_steps=10"])
     assert [s for s, _ in d.list_complete(run / "checkpoints")] == [5, 10]
-    _run(run, [*CKPT, "checkpoint.async_save=true"])
+    run_small(run, [*CKPT, "checkpoint.async_save=true"])
     assert records(run) == records(single_base)
 
 
 def test_explicit_load_path_into_a_new_run(single_base, tmp_path):
     run = tmp_path / "new"
-    _run(run, [*CKPT, f"checkpoint.load_path={single_base}/checkpoints/step_10", "checkpoint.resume=never"])
+    run_small(run, [*CKPT, f"checkpoint.load_path={single_base}/checkpoints/step_10", "checkpoint.resume=never"])
     assert steps_logged(run) == list(range(11, 21))
     base = records(single_base)
     assert records(run) == {s: base[s] for s in range(11, 21)}
@@ -119,12 +64,12 @@ def test_explicit_load_path_into_a_new_run(single_base, tmp_path):
 @pytest.mark.parametrize("layout", ["ddp2", "fsdp2", "hsdp2x2"])
 def test_multiprocess_stop_and_resume_is_bitwise(tmp_path, layout):
     base, run = tmp_path / "base", tmp_path / "run"
-    res = _cli(base, [f"parallel={layout}"])
+    res = cli_small(base, [f"parallel={layout}"])
     assert res.returncode == 0, res.stderr[-3000:]
-    res = _cli(run, [f"parallel={layout}", *CKPT, "train.stop_after_steps=10"])
+    res = cli_small(run, [f"parallel={layout}", *CKPT, "train.stop_after_steps=10"])
     assert res.returncode == 0, res.stderr[-3000:]
     assert steps_logged(run) == list(range(1, 11))
-    res = _cli(run, [f"parallel={layout}", *CKPT])
+    res = cli_small(run, [f"parallel={layout}", *CKPT])
     assert res.returncode == 0, res.stderr[-3000:]
     assert "resumed from" in res.stderr and "step_10" in res.stderr
     assert steps_logged(run) == list(range(1, 21))
@@ -136,7 +81,7 @@ def test_fsdp4_checkpoint_resumes_on_fsdp2_and_single(tmp_path):
     """DCP reshards: a 4-way sharded checkpoint continues on 2 ranks and on 1 within 1e-5 of the uninterrupted run.
     The fsdp4 run also exports HF at the end from its DTensors (gathered on rank 0)."""
     base = tmp_path / "fsdp4"
-    res = _cli(base, ["parallel=fsdp4", *CKPT, "checkpoint.keep_last=0", "checkpoint.export_hf_at_end=true"])
+    res = cli_small(base, ["parallel=fsdp4", *CKPT, "checkpoint.keep_last=0", "checkpoint.export_hf_at_end=true"])
     assert res.returncode == 0, res.stderr[-3000:]
     ref = read_losses(base)
     step10 = base / "checkpoints" / "step_10"
@@ -144,7 +89,7 @@ def test_fsdp4_checkpoint_resumes_on_fsdp2_and_single(tmp_path):
     worst = {}
     for layout in ("fsdp2", "single"):
         run = tmp_path / layout
-        res = _cli(run, [f"parallel={layout}", *CKPT, f"checkpoint.load_path={step10}"])
+        res = cli_small(run, [f"parallel={layout}", *CKPT, f"checkpoint.load_path={step10}"])
         assert res.returncode == 0, res.stderr[-3000:]
         losses = read_losses(run)
         assert sorted(losses) == list(range(11, 21))
@@ -162,7 +107,7 @@ def test_fsdp4_checkpoint_resumes_on_fsdp2_and_single(tmp_path):
 def test_save_killed_halfway_resumes_from_previous_complete(single_base, tmp_path):
     run = tmp_path / "run"
     run.mkdir()
-    res = _cli(run, CKPT, env={"HYPERPAR_TEST_KILL_IN_SAVE": "10"})
+    res = cli_small(run, CKPT, env={"HYPERPAR_TEST_KILL_IN_SAVE": "10"})
     assert res.returncode == -9, res.stderr[-2000:]  # SIGKILL inside the save of step 10
     ckpts = run / "checkpoints"
     assert (ckpts / "step_10.tmp" / ".metadata").is_file()  # the data was written ...
@@ -170,7 +115,7 @@ def test_save_killed_halfway_resumes_from_previous_complete(single_base, tmp_pat
     assert [s for s, _ in d.list_complete(ckpts)] == [5]
     assert (ckpts / "latest").read_text().strip() == "step_5"
     assert steps_logged(run) == list(range(1, 11))
-    _run(run, CKPT)  # resume: auto takes step_5, not the half-saved step_10
+    run_small(run, CKPT)  # resume: auto takes step_5, not the half-saved step_10
     assert steps_logged(run) == list(range(1, 11)) + list(range(6, 21))
     assert records(run) == records(single_base)
     assert [s for s, _ in d.list_complete(ckpts)] == [15, 20]
@@ -197,7 +142,7 @@ def test_directory_rules(tmp_path):
 
 # ---- bad input: one line, non-zero exit, before any worker starts ------------------------------------
 def test_missing_load_path_is_one_line(tmp_path):
-    res = _cli(tmp_path / "run", [*CKPT, f"checkpoint.load_path={tmp_path}/nope"])
+    res = cli_small(tmp_path / "run", [*CKPT, f"checkpoint.load_path={tmp_path}/nope"])
     line = one_error_line(res)
     assert line.startswith("checkpoint error: checkpoint.load_path") and "does not exist" in line, line
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
@@ -208,10 +153,10 @@ def test_missing_load_path_is_one_line(tmp_path):
 def test_checkpoint_of_another_geometry_is_one_line(single_base, tmp_path):
     hf = tmp_path / "tiny"
     hf.mkdir()
-    (hf / "config.json").write_text(json.dumps(TINY))
+    (hf / "config.json").write_text(json.dumps(fixtures.qwen3_5()))
     step10 = single_base / "checkpoints" / "step_10"
     other = [f"model.hf_path={hf}", "model.load_weights=false", *CKPT, f"checkpoint.load_path={step10}"]
-    line = one_error_line(_cli(tmp_path / "run", other))
+    line = one_error_line(cli_small(tmp_path / "run", other))
     assert "does not match the model" in line, line
     assert "model.model.embed_tokens.weight (2048, 128) in checkpoint != (1024, 64) expected" in line, line
     assert "saved for qwen3_5 (flavor=debug)" in line, line
@@ -225,7 +170,7 @@ def test_truncated_checkpoint_is_one_line(single_base, tmp_path, victim):
     shutil.copytree(single_base / "checkpoints" / "step_10", ckpt)
     f = ckpt / victim
     f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
-    line = one_error_line(_cli(tmp_path / "run", [*CKPT, f"checkpoint.load_path={ckpt}"]))
+    line = one_error_line(cli_small(tmp_path / "run", [*CKPT, f"checkpoint.load_path={ckpt}"]))
     assert line.startswith("checkpoint error:") and "truncated" in line and victim in line, line
     if victim == "__0_0.distcp":  # the worker refuses it too, before dcp.load touches it
         with pytest.raises(CheckpointError, match="is truncated"):
@@ -291,7 +236,7 @@ def test_export_at_end_tied_geometry(tmp_path):
 
     hf = tmp_path / "tiny"
     hf.mkdir()
-    (hf / "config.json").write_text(json.dumps(TINY))
+    (hf / "config.json").write_text(json.dumps(fixtures.qwen3_5()))
     run = tmp_path / "run"
     cfg = compose_cfg(["metrics.progress_bar=false", *SMALL, "train.steps=2", f"model.hf_path={hf}", "model.load_weights=false",
                        "checkpoint=default", "checkpoint.export_hf_at_end=true"])

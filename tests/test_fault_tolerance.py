@@ -15,15 +15,15 @@ from pathlib import Path
 
 import pytest
 
-from helpers import cli_env
+from fixtures import CKPT, SMALL
+from helpers import cli_env, cli_small, records, run_small, steps_logged
 from hyperpar.checkpoint import directory as d
-from test_checkpoint import CKPT, SMALL, STEPS, _cli, _run, records, steps_logged
 
 
 @pytest.fixture(scope="module")
 def fsdp2_base(tmp_path_factory) -> Path:
     run = tmp_path_factory.mktemp("fsdp2") / "base"
-    res = _cli(run, ["parallel=fsdp2"])
+    res = cli_small(run, ["parallel=fsdp2"])
     assert res.returncode == 0, res.stderr[-3000:]
     return run
 
@@ -31,7 +31,7 @@ def fsdp2_base(tmp_path_factory) -> Path:
 @pytest.mark.slow
 def test_sigkilled_worker_is_restarted_and_resumes(fsdp2_base, tmp_path):
     run = tmp_path / "run"
-    res = _cli(run, ["parallel=fsdp2", *CKPT, "launch.max_restarts=1"], env={"HYPERPAR_TEST_KILL_AT_STEP": "7"})
+    res = cli_small(run, ["parallel=fsdp2", *CKPT, "launch.max_restarts=1"], env={"HYPERPAR_TEST_KILL_AT_STEP": "7"})
     assert res.returncode == 0, res.stderr[-3000:]
     assert "terminated with signal SIGKILL" in res.stderr  # rank 1 really died ...
     log0 = (run / "logs" / "rank_0.log").read_text()
@@ -45,14 +45,14 @@ def test_sigkilled_worker_is_restarted_and_resumes(fsdp2_base, tmp_path):
 def test_sigterm_on_one_rank_stops_all_ranks_after_the_same_step(fsdp2_base, tmp_path):
     run = tmp_path / "run"
     env = {"HYPERPAR_TEST_SIGNAL_AT_STEP": "3", "HYPERPAR_TEST_SIGNAL": "TERM", "HYPERPAR_TEST_SIGNAL_RANK": "1"}
-    res = _cli(run, ["parallel=fsdp2", *CKPT], env=env)
+    res = cli_small(run, ["parallel=fsdp2", *CKPT], env=env)
     assert res.returncode == 0, res.stderr[-3000:]
     for rank in (0, 1):  # rank 0 never got the signal; the all-reduced flag stopped it too
         assert "stopping after step 3 of 20 (preempted)" in (run / "logs" / f"rank_{rank}.log").read_text()
     assert steps_logged(run) == [1, 2, 3]
     step3 = run / "checkpoints" / "step_3"
     assert d.is_complete(step3) and len(list((step3 / "rng").iterdir())) == 2
-    res = _cli(run, ["parallel=fsdp2", *CKPT])
+    res = cli_small(run, ["parallel=fsdp2", *CKPT])
     assert res.returncode == 0, res.stderr[-3000:]
     assert records(run) == records(fsdp2_base)
 
@@ -82,10 +82,10 @@ def test_sigterm_single_process_saves_exits_zero_and_resumes_exactly(tmp_path):
     assert 3 <= last < 400
     assert [s for s, _ in d.list_complete(run / "checkpoints")] == [last]
     # Resume for two more steps; a fresh run stopped at the same step must agree bitwise.
-    _run(run, [*long, "checkpoint=default", "checkpoint.save_steps=0", f"train.stop_after_steps={last + 2}"])
+    run_small(run, [*long, "checkpoint=default", "checkpoint.save_steps=0", f"train.stop_after_steps={last + 2}"])
     assert steps_logged(run) == list(range(1, last + 3))
     fresh = tmp_path / "fresh"
-    _run(fresh, [*long, f"train.stop_after_steps={last + 2}"])
+    run_small(fresh, [*long, f"train.stop_after_steps={last + 2}"])
     assert records(run) == records(fresh)
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import json
 from pathlib import Path
 
@@ -10,6 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from fixtures import qwen3_5 as tiny
 from hyperpar.errors import CheckpointError, ConfigError, HyperparError
 from hyperpar.models import HFCheckpoint, from_hf, to_hf
 from hyperpar.models.hf_io import parse_size
@@ -19,52 +19,9 @@ transformers = pytest.importorskip("transformers")
 
 torch.set_num_threads(1)
 
-# tiny_configs/qwen3_5_causal_lm.json (MODELS.md 14)
-TINY = {
-    "architectures": ["Qwen3_5ForCausalLM"],
-    "attention_bias": False,
-    "attention_dropout": 0.0,
-    "bos_token_id": None,
-    "dtype": "float32",
-    "eos_token_id": None,
-    "head_dim": 64,
-    "hidden_act": "silu",
-    "hidden_size": 64,
-    "initializer_range": 0.02,
-    "intermediate_size": 128,
-    "layer_types": ["linear_attention", "full_attention", "linear_attention", "full_attention"],
-    "linear_conv_kernel_dim": 4,
-    "linear_key_head_dim": 16,
-    "linear_num_key_heads": 2,
-    "linear_num_value_heads": 4,
-    "linear_value_head_dim": 32,
-    "max_position_embeddings": 4096,
-    "model_type": "qwen3_5_text",
-    "num_attention_heads": 4,
-    "num_hidden_layers": 4,
-    "num_key_value_heads": 2,
-    "pad_token_id": None,
-    "rms_norm_eps": 1e-06,
-    "rope_parameters": {
-        "mrope_interleaved": True,
-        "mrope_section": [3, 3, 2],
-        "partial_rotary_factor": 0.25,
-        "rope_theta": 10000000.0,
-        "rope_type": "default",
-    },
-    "tie_word_embeddings": True,
-    "transformers_version": "5.24.0",
-    "use_cache": True,
-    "vocab_size": 1024,
-}
+TINY = tiny()  # tiny_configs/qwen3_5_causal_lm.json (tests/fixtures.py)
 
 IDS = torch.randint(0, 900, (2, 24), generator=torch.Generator().manual_seed(0))
-
-
-def tiny(**changes) -> dict:
-    cfg = copy.deepcopy(TINY)
-    cfg.update(changes)
-    return cfg
 
 
 def random_model(tied: bool, seed: int = 0) -> Qwen3_5ForCausalLM:

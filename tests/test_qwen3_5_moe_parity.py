@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
+from fixtures import qwen3_5_moe as tiny
+from fixtures import qwen3_5_moe_vl
 from hyperpar.errors import ConfigError
 from hyperpar.models import from_hf, to_hf
 from hyperpar.models.output import ModelOutput
@@ -27,55 +29,7 @@ transformers = pytest.importorskip("transformers")
 
 torch.set_num_threads(1)
 
-# tiny_configs/qwen3_5_moe_causal_lm.json (MODELS.md 14): L F L F, E 8, k 2, Ie 48 ≠ Is 32, untied.
-TINY = {
-    "architectures": ["Qwen3_5MoeForCausalLM"],
-    "attention_bias": False,
-    "attention_dropout": 0.0,
-    "bos_token_id": None,
-    "dtype": "float32",
-    "eos_token_id": None,
-    "head_dim": 64,
-    "hidden_act": "silu",
-    "hidden_size": 64,
-    "initializer_range": 0.02,
-    "layer_types": ["linear_attention", "full_attention", "linear_attention", "full_attention"],
-    "linear_conv_kernel_dim": 4,
-    "linear_key_head_dim": 16,
-    "linear_num_key_heads": 2,
-    "linear_num_value_heads": 4,
-    "linear_value_head_dim": 32,
-    "max_position_embeddings": 4096,
-    "model_type": "qwen3_5_moe_text",
-    "moe_intermediate_size": 48,
-    "num_attention_heads": 4,
-    "num_experts": 8,
-    "num_experts_per_tok": 2,
-    "num_hidden_layers": 4,
-    "num_key_value_heads": 2,
-    "output_router_logits": False,
-    "pad_token_id": None,
-    "rms_norm_eps": 1e-06,
-    "rope_parameters": {
-        "mrope_interleaved": True,
-        "mrope_section": [3, 3, 2],
-        "partial_rotary_factor": 0.25,
-        "rope_theta": 10000000.0,
-        "rope_type": "default",
-    },
-    "router_aux_loss_coef": 0.001,
-    "shared_expert_intermediate_size": 32,
-    "tie_word_embeddings": False,
-    "transformers_version": "5.24.0",
-    "use_cache": True,
-    "vocab_size": 1024,
-}
-
-
-def tiny(**changes) -> dict:
-    cfg = copy.deepcopy(TINY)
-    cfg.update(changes)
-    return cfg
+TINY = tiny()  # tiny_configs/qwen3_5_moe_causal_lm.json (tests/fixtures.py)
 
 
 def make_hf(cfg: dict, seed: int = 0):
@@ -466,36 +420,7 @@ def test_activation_checkpointing_keeps_grads_and_aux() -> None:
 
 # --- vision-language: Qwen3_5MoeForConditionalGeneration ------------------------------------------
 
-# tiny_configs/qwen3_5_moe_vl.json (MODELS.md 14): the text config above + a depth-2 ViT; image/video
-# ids 1000/1001, vision start/end 1002/1003.
-TINY_VL = {
-    "architectures": ["Qwen3_5MoeForConditionalGeneration"],
-    "dtype": "float32",
-    "image_token_id": 1000,
-    "model_type": "qwen3_5_moe",
-    "text_config": {k: v for k, v in TINY.items() if k not in ("architectures", "dtype", "transformers_version")},
-    "tie_word_embeddings": False,
-    "transformers_version": "5.24.0",
-    "video_token_id": 1001,
-    "vision_config": {
-        "depth": 2,
-        "hidden_act": "gelu_pytorch_tanh",
-        "hidden_size": 32,
-        "in_channels": 3,
-        "initializer_range": 0.02,
-        "intermediate_size": 64,
-        "model_type": "qwen3_5_moe_vision",
-        "num_heads": 2,
-        "num_position_embeddings": 64,
-        "out_hidden_size": 64,
-        "patch_size": 16,
-        "rope_parameters": {"rope_theta": 10000.0, "rope_type": "axial"},
-        "spatial_merge_size": 2,
-        "temporal_patch_size": 2,
-    },
-    "vision_end_token_id": 1003,
-    "vision_start_token_id": 1002,
-}
+TINY_VL = qwen3_5_moe_vl()  # tiny_configs/qwen3_5_moe_vl.json (tests/fixtures.py)
 
 
 def make_hf_vl(cfg: dict = TINY_VL, seed: int = 0):

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from fixtures import qwen3_5 as tiny
 from hyperpar.errors import ConfigError
 from hyperpar.models.qwen3_5 import FLAVORS, Qwen3_5Args, Qwen3_5ForCausalLM, Qwen3_5StateDictAdapter
 from hyperpar.models.spec import get_model_spec, spec_for_hf_model_type
@@ -16,51 +17,7 @@ transformers = pytest.importorskip("transformers")
 
 torch.set_num_threads(1)
 
-# tiny_configs/qwen3_5_causal_lm.json (MODELS.md 14): L F L F, tied, θ 1e7, partial 0.25 → rot 16,
-# mrope [3, 3, 2], dk 16 ≠ dv 32, nv = 2·nk.
-TINY = {
-    "architectures": ["Qwen3_5ForCausalLM"],
-    "attention_bias": False,
-    "attention_dropout": 0.0,
-    "bos_token_id": None,
-    "dtype": "float32",
-    "eos_token_id": None,
-    "head_dim": 64,
-    "hidden_act": "silu",
-    "hidden_size": 64,
-    "initializer_range": 0.02,
-    "intermediate_size": 128,
-    "layer_types": ["linear_attention", "full_attention", "linear_attention", "full_attention"],
-    "linear_conv_kernel_dim": 4,
-    "linear_key_head_dim": 16,
-    "linear_num_key_heads": 2,
-    "linear_num_value_heads": 4,
-    "linear_value_head_dim": 32,
-    "max_position_embeddings": 4096,
-    "model_type": "qwen3_5_text",
-    "num_attention_heads": 4,
-    "num_hidden_layers": 4,
-    "num_key_value_heads": 2,
-    "pad_token_id": None,
-    "rms_norm_eps": 1e-06,
-    "rope_parameters": {
-        "mrope_interleaved": True,
-        "mrope_section": [3, 3, 2],
-        "partial_rotary_factor": 0.25,
-        "rope_theta": 10000000.0,
-        "rope_type": "default",
-    },
-    "tie_word_embeddings": True,
-    "transformers_version": "5.24.0",
-    "use_cache": True,
-    "vocab_size": 1024,
-}
-
-
-def tiny(**changes) -> dict:
-    cfg = copy.deepcopy(TINY)
-    cfg.update(changes)
-    return cfg
+TINY = tiny()  # tiny_configs/qwen3_5_causal_lm.json (tests/fixtures.py)
 
 
 def make_hf(cfg: dict, seed: int = 0):
@@ -156,15 +113,22 @@ def test_loss_and_grads_match_transformers(tied: bool) -> None:
     loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100)
     loss.backward()
     assert abs(loss.item() - ref_loss.item()) <= 1e-5
-    hf_params = dict(hf.named_parameters())
-    ours_params = dict(ours.named_parameters())
-    assert set(ours_params) == set(hf_params)
-    for name, p in ours_params.items():
-        g_ref, g = hf_params[name].grad, p.grad
-        assert g is not None and g_ref is not None, name
-        assert (g - g_ref).abs().max().item() <= 1e-5, name
     # every parameter learns
     assert all(p.grad is not None for p in ours.parameters())
+    hf_params = dict(hf.named_parameters())
+    # Our gradients under the checkpoint's names (split GatedDeltaNet weights fused back).
+    from hyperpar.models.fused import join_parts
+    from hyperpar.models.qwen3_5.state_dict import Qwen3_5StateDictAdapter
+
+    adapter = Qwen3_5StateDictAdapter(ours.args)
+    ours_grads = dict(join_parts(kv for n, p in ours.named_parameters() for kv in adapter.export_param(n, p.grad).items()))
+    if tied:
+        ours_grads["lm_head.weight"] = ours.lm_head.weight.grad
+    assert set(ours_grads) == set(hf_params)
+    for name, g in ours_grads.items():
+        g_ref = hf_params[name].grad
+        assert g_ref is not None, name
+        assert (g - g_ref).abs().max().item() <= 1e-5, name
 
 
 def test_bf16_close_to_transformers() -> None:

@@ -11,6 +11,8 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
+from fixtures import IMG, VE, VID, VS
+from fixtures import qwen3_vl_moe as tiny
 from hyperpar.errors import DataError
 from hyperpar.models import from_hf, to_hf
 from hyperpar.models.output import ModelOutput
@@ -26,80 +28,8 @@ transformers = pytest.importorskip("transformers")
 
 torch.set_num_threads(1)
 
-# tiny_configs/qwen3_vl_moe.json (MODELS.md 14): 4 full-attention MoE layers, hd 32, mrope [6, 5, 5],
-# θ 5e6, E 8 / k 2 / Ie 48 (2·Ie ≠ H), ViT depth 3 with DeepStack on blocks [0, 2].
-TINY = {
-    "architectures": ["Qwen3VLMoeForConditionalGeneration"],
-    "dtype": "float32",
-    "image_token_id": 1000,
-    "model_type": "qwen3_vl_moe",
-    "text_config": {
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "bos_token_id": None,
-        "decoder_sparse_step": 1,
-        "eos_token_id": None,
-        "head_dim": 32,
-        "hidden_act": "silu",
-        "hidden_size": 64,
-        "initializer_range": 0.02,
-        "intermediate_size": 128,
-        "max_position_embeddings": 4096,
-        "mlp_only_layers": [],
-        "model_type": "qwen3_vl_moe_text",
-        "moe_intermediate_size": 48,
-        "num_attention_heads": 4,
-        "num_experts_per_tok": 2,
-        "num_hidden_layers": 4,
-        "num_key_value_heads": 2,
-        "num_local_experts": 8,
-        "output_router_logits": False,
-        "pad_token_id": None,
-        "rms_norm_eps": 1e-06,
-        "rope_parameters": {
-            "mrope_interleaved": True,
-            "mrope_section": [6, 5, 5],
-            "rope_theta": 5000000.0,
-            "rope_type": "default",
-        },
-        "router_aux_loss_coef": 0.001,
-        "sliding_window": None,
-        "tie_word_embeddings": False,
-        "use_cache": True,
-        "vocab_size": 1024,
-    },
-    "tie_word_embeddings": False,
-    "transformers_version": "5.24.0",
-    "video_token_id": 1001,
-    "vision_config": {
-        "deepstack_visual_indexes": [0, 2],
-        "depth": 3,
-        "hidden_act": "gelu_pytorch_tanh",
-        "hidden_size": 32,
-        "in_channels": 3,
-        "initializer_range": 0.02,
-        "intermediate_size": 64,
-        "model_type": "qwen3_vl_moe_vision",
-        "num_heads": 2,
-        "num_position_embeddings": 64,
-        "out_hidden_size": 64,
-        "patch_size": 16,
-        "rope_parameters": {"rope_theta": 10000.0, "rope_type": "axial"},
-        "spatial_merge_size": 2,
-        "temporal_patch_size": 2,
-    },
-    "vision_end_token_id": 1003,
-    "vision_start_token_id": 1002,
-}
-IMG, VID, VS, VE = 1000, 1001, 1002, 1003
+TINY = tiny()  # tiny_configs/qwen3_vl_moe.json (tests/fixtures.py)
 COEF = 0.001
-
-
-def tiny(tie: bool = False, **text_changes) -> dict:
-    cfg = copy.deepcopy(TINY)
-    cfg["tie_word_embeddings"] = tie
-    cfg["text_config"].update(text_changes)
-    return cfg
 
 
 def make_hf(cfg: dict, seed: int = 0):

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from fixtures import qwen3_5_vision, vl_moe_vision
 from hyperpar.errors import DataError
 from hyperpar.models.multimodal import add_deepstack, deepstack_inputs, get_rope_index, scatter_features
 from hyperpar.models.vision import VisionArgs, VisionTower, patch_coords, position_interpolation
@@ -16,27 +17,8 @@ transformers = pytest.importorskip("transformers")
 
 torch.set_num_threads(1)
 
-# vision_config of tiny_configs/qwen3_vl_moe.json (MODELS.md 14): DeepStack on blocks 0 and 2.
-VL_MOE_VISION = {
-    "deepstack_visual_indexes": [0, 2],
-    "depth": 3,
-    "hidden_act": "gelu_pytorch_tanh",
-    "hidden_size": 32,
-    "in_channels": 3,
-    "initializer_range": 0.02,
-    "intermediate_size": 64,
-    "model_type": "qwen3_vl_moe_vision",
-    "num_heads": 2,
-    "num_position_embeddings": 64,
-    "out_hidden_size": 64,
-    "patch_size": 16,
-    "rope_parameters": {"rope_theta": 10000.0, "rope_type": "axial"},
-    "spatial_merge_size": 2,
-    "temporal_patch_size": 2,
-}
-# vision_config of tiny_configs/qwen3_5_moe_vl.json: the same tower without DeepStack.
-QWEN3_5_VISION = {k: v for k, v in VL_MOE_VISION.items() if k != "deepstack_visual_indexes"}
-QWEN3_5_VISION.update(depth=2, model_type="qwen3_5_moe_vision")
+VL_MOE_VISION = vl_moe_vision()  # DeepStack on blocks 0 and 2 (tests/fixtures.py)
+QWEN3_5_VISION = qwen3_5_vision()  # the same tower, depth 2, no DeepStack
 
 # Items of several sizes, a 2- and a 3-frame video and equal-sized neighbours (one attention run).
 GRIDS = torch.tensor([[1, 4, 6], [2, 4, 4], [1, 6, 4], [1, 2, 2], [1, 2, 2], [3, 2, 8]])
