@@ -6,14 +6,20 @@
   with a ``DataError`` when the counts differ.
 - ``deepstack_inputs`` / ``add_deepstack``: DeepStack features aligned to the visual positions and
   added to the hidden states after the first text layers.
+- ``embed_with_vision``: the whole front of a DeepStack-free VL model (Qwen3.5 dense and MoE):
+  token embeddings, tower features over the placeholders, 3-D positions.
+- ``VisionLanguageHooks``: the framework hooks (tying, init, buffers) every VL model shares.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 from torch import nn
 
 from hyperpar.errors import DataError
+from hyperpar.models.layers import init_param_by_module
 
 TEXT, IMAGE, VIDEO = 0, 1, 2
 _KIND = {IMAGE: "image", VIDEO: "video"}
@@ -194,3 +200,69 @@ def tower_features(
         out.append((feats[start : start + n], [d[start : start + n] for d in deep]))
         start += n
     return out[0], out[1]
+
+
+def embed_with_vision(
+    embed_tokens: nn.Module,
+    visual: nn.Module | None,
+    args,
+    input_ids: torch.Tensor,
+    pixel_values: torch.Tensor | None,
+    image_grid_thw: torch.Tensor | None,
+    pixel_values_videos: torch.Tensor | None,
+    video_grid_thw: torch.Tensor | None,
+    mm_token_type_ids: torch.Tensor | None,
+    position_ids: torch.Tensor | None,
+    attention_mask: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(input embeddings (B, S, H) with vision features at their placeholders, position ids) for a
+    VL model without DeepStack; ``args`` holds ``vision`` and the image / video token ids. Positions
+    are the 3-D ``get_rope_index`` ones when vision grids are given and no positions are."""
+    embeds = embed_tokens(input_ids)
+    vision = args.vision
+    image, video = (None if f is None else f[0] for f in tower_features(
+        visual, vision.merge_unit, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw))
+    if image is not None:
+        embeds = scatter_features(embeds, input_ids == args.image_token_id, image, "image")
+    if video is not None:
+        embeds = scatter_features(embeds, input_ids == args.video_token_id, video, "video")
+    if position_ids is None and (image_grid_thw is not None or video_grid_thw is not None):
+        position_ids, _ = get_rope_index(
+            input_ids, mm_token_type_ids, image_grid_thw, video_grid_thw,
+            spatial_merge_size=vision.spatial_merge_size, attention_mask=attention_mask,
+        )
+    return embeds, position_ids
+
+
+class VisionLanguageHooks:
+    """Tying and init hooks (see hyperpar.models.spec) of a VL model laid out like the checkpoints:
+    ``self.model.visual`` (None on a pipeline stage without it), ``self.model.language_model``,
+    ``self.lm_head``; ``self.args`` has ``text`` and the top-level ``tie_word_embeddings``."""
+
+    model: nn.Module
+    lm_head: nn.Linear | None
+    args: Any
+
+    def tie_weights(self) -> None:
+        """Share ``lm_head.weight`` with the embedding when the top-level config ties them (again
+        after ``to_empty``, which materialises each module separately)."""
+        emb = self.model.language_model.embed_tokens
+        if self.args.tie_word_embeddings and self.lm_head is not None and emb is not None:
+            self.lm_head.weight = emb.weight
+
+    @property
+    def tied_weights(self) -> dict[str, str]:
+        return {"lm_head.weight": "model.language_model.embed_tokens.weight"} if self.args.tie_word_embeddings else {}
+
+    def init_param(self, name: str, full: torch.Tensor, gen: torch.Generator) -> None:
+        """Fill the full-shaped fp32 tensor of parameter ``name`` in place (a pure function of gen)."""
+        prefix = "model.visual."
+        if name.startswith(prefix) and self.model.visual is not None:
+            self.model.visual.init_param(name[len(prefix) :], full, gen)
+        else:
+            init_param_by_module(self, name, full, gen, std=self.args.text.initializer_range)
+
+    def init_buffers(self) -> None:
+        """Recompute non-persistent buffers on the current device and restore the weight tie."""
+        self.model.language_model.rotary_emb.reset_buffers()
+        self.tie_weights()

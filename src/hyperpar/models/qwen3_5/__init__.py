@@ -1,4 +1,5 @@
-"""Qwen3.5 dense (text): registers the ``qwen3_5`` ModelSpec."""
+"""Qwen3.5 dense: registers ``qwen3_5`` (text; ``model.text_only=true`` reads the text model of a VL
+checkpoint) and ``qwen3_5_vl`` (vision-language, on the shared vision tower)."""
 
 from __future__ import annotations
 
@@ -6,9 +7,11 @@ from typing import Any
 
 from torch import nn
 
-from hyperpar.models.qwen3_5.args import FLAVORS, Qwen3_5Args
+from hyperpar.models.qwen3_5.args import FLAVORS, VL_FLAVORS, Qwen3_5Args, Qwen3_5VLArgs
 from hyperpar.models.qwen3_5.model import Qwen3_5DecoderLayer, Qwen3_5ForCausalLM
 from hyperpar.models.qwen3_5.state_dict import Qwen3_5StateDictAdapter
+from hyperpar.models.qwen3_5.vl import Qwen3_5ForConditionalGeneration, Qwen3_5VLModel
+from hyperpar.models.qwen3_5.vl_state_dict import Qwen3_5VLStateDictAdapter
 from hyperpar.models.spec import ModelSpec, register_model
 
 
@@ -18,6 +21,12 @@ def _parallelize(model: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
     from hyperpar.models.qwen3_5.parallelize import parallelize_qwen3_5
 
     return parallelize_qwen3_5(model, *args, **kwargs)
+
+
+def _parallelize_vl(model: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
+    from hyperpar.models.qwen3_5.parallelize_vl import parallelize_qwen3_5_vl
+
+    return parallelize_qwen3_5_vl(model, *args, **kwargs)
 
 
 SPEC = register_model(
@@ -33,4 +42,31 @@ SPEC = register_model(
     )
 )
 
-__all__ = ["FLAVORS", "SPEC", "Qwen3_5Args", "Qwen3_5DecoderLayer", "Qwen3_5ForCausalLM", "Qwen3_5StateDictAdapter"]
+VL_SPEC = register_model(
+    ModelSpec(
+        name="qwen3_5_vl",
+        args_cls=Qwen3_5VLArgs,
+        flavors=VL_FLAVORS,
+        model_cls=Qwen3_5ForConditionalGeneration,
+        parallelize=_parallelize_vl,
+        adapter=Qwen3_5VLStateDictAdapter,
+        hf_model_types=("qwen3_5",),
+        hf_architectures=("Qwen3_5ForConditionalGeneration",),
+        default_data="vl_dummy",
+    )
+)
+
+__all__ = [
+    "FLAVORS",
+    "SPEC",
+    "VL_FLAVORS",
+    "VL_SPEC",
+    "Qwen3_5Args",
+    "Qwen3_5DecoderLayer",
+    "Qwen3_5ForCausalLM",
+    "Qwen3_5ForConditionalGeneration",
+    "Qwen3_5StateDictAdapter",
+    "Qwen3_5VLArgs",
+    "Qwen3_5VLModel",
+    "Qwen3_5VLStateDictAdapter",
+]

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar
 
 from hyperpar.errors import ConfigError
+from hyperpar.models.vision.args import VisionArgs
 
 LINEAR = "linear_attention"
 FULL = "full_attention"
@@ -260,4 +262,125 @@ FLAVORS: dict[str, Qwen3_5Args] = {
     "4b": _real(2560, 32, 16, 4, 9216, 32, tied=True),
     "9b": _real(4096, 32, 16, 4, 12288, 32, tied=False),
     "27b": _real(5120, 64, 24, 4, 17408, 48, tied=False),
+}
+
+
+# --- vision-language (Qwen3_5ForConditionalGeneration, MODELS.md 2.4, 2.6, 8, 9) -----------------
+
+
+def _vision(depth: int, hidden: int, heads: int, inter: int, out: int) -> VisionArgs:
+    # MODELS.md 2.7: patch 16, temporal patch 2, merge 2, 48×48 learned positions in every release.
+    return VisionArgs(depth=depth, hidden_size=hidden, intermediate_size=inter, num_heads=heads, patch_size=16,
+                      temporal_patch_size=2, spatial_merge_size=2, out_hidden_size=out,
+                      num_position_embeddings=2304, deepstack_visual_indexes=[], model_type="qwen3_5_vision")
+
+
+@dataclass
+class Qwen3_5VLArgs:
+    """The composite ``qwen3_5`` config: the dense text model, the (DeepStack-free) vision tower and
+    the special token ids. Tying follows the top-level flag (copied into ``text.tie_word_embeddings``,
+    the ForConditionalGeneration class's rule, MODELS.md 2.4). A MoE family subclasses it with its
+    own text args class and names."""
+
+    text: Qwen3_5Args = field(default_factory=Qwen3_5Args)
+    vision: VisionArgs = field(default_factory=lambda: _vision(27, 1152, 16, 4304, 4096))
+    image_token_id: int = 248056
+    video_token_id: int = 248057
+    vision_start_token_id: int = 248053
+    vision_end_token_id: int = 248054
+    tie_word_embeddings: bool = False
+
+    NAME: ClassVar[str] = "qwen3_5_vl"
+    TEXT_CLS: ClassVar[type] = Qwen3_5Args
+    HF_MODEL_TYPE: ClassVar[str] = "qwen3_5"
+    HF_ARCHITECTURE: ClassVar[str] = "Qwen3_5ForConditionalGeneration"
+    VISION_MODEL_TYPE: ClassVar[str] = "qwen3_5_vision"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.text, dict):
+            self.text = self.TEXT_CLS(**self.text)
+        if isinstance(self.vision, dict):
+            self.vision = VisionArgs(**self.vision)
+        if self.text.tie_word_embeddings != self.tie_word_embeddings:
+            self.text = self.text.replace(tie_word_embeddings=self.tie_word_embeddings)
+        self.validate()
+
+    def error(self, msg: str, hint: str | None = None) -> ConfigError:
+        return ConfigError(f"{self.NAME}: {msg}", hint=hint)
+
+    def validate(self) -> None:
+        bad = self.error
+        if self.vision.out_hidden_size != self.text.hidden_size:
+            raise bad(f"vision out_hidden_size {self.vision.out_hidden_size} != text hidden_size {self.text.hidden_size}",
+                      hint="the merger must project to the text width")
+        if self.vision.deepstack_visual_indexes:
+            raise bad("Qwen3.5 vision towers have no DeepStack mergers", hint="deepstack_visual_indexes must be empty")
+        ids = {"image_token_id": self.image_token_id, "video_token_id": self.video_token_id,
+               "vision_start_token_id": self.vision_start_token_id, "vision_end_token_id": self.vision_end_token_id}
+        out = [f"{k}={v}" for k, v in ids.items() if not 0 <= v < self.text.vocab_size]
+        if out:
+            raise bad(f"{', '.join(out)} outside the vocabulary of {self.text.vocab_size}")
+
+    @property
+    def vocab_size(self) -> int:
+        return self.text.vocab_size
+
+    @classmethod
+    def from_hf_config(cls, d: dict[str, Any]) -> "Qwen3_5VLArgs":
+        if not isinstance(d.get("text_config"), dict) or not isinstance(d.get("vision_config"), dict):
+            raise ConfigError(f"{cls.HF_MODEL_TYPE} config.json needs text_config and vision_config for the VL model",
+                              hint=f"a text-only {cls.TEXT_CLS.HF_MODEL_TYPE} directory loads with the text model group")
+        return cls(
+            text=cls.TEXT_CLS.from_hf_config(d),  # reads text_config; ties by the top-level flag
+            vision=VisionArgs.from_hf_config({"model_type": cls.VISION_MODEL_TYPE, **d["vision_config"]}),
+            image_token_id=int(d.get("image_token_id", 248056)),
+            video_token_id=int(d.get("video_token_id", 248057)),
+            vision_start_token_id=int(d.get("vision_start_token_id", 248053)),
+            vision_end_token_id=int(d.get("vision_end_token_id", 248054)),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+        )
+
+    def to_hf_config(self) -> dict[str, Any]:
+        """A ``*ForConditionalGeneration`` config.json with every field explicit."""
+        text = self.text.to_hf_config()
+        del text["architectures"]
+        return {
+            "architectures": [self.HF_ARCHITECTURE],
+            "model_type": self.HF_MODEL_TYPE,
+            "text_config": text,
+            "vision_config": self.vision.to_hf_config(),
+            "image_token_id": self.image_token_id,
+            "video_token_id": self.video_token_id,
+            "vision_start_token_id": self.vision_start_token_id,
+            "vision_end_token_id": self.vision_end_token_id,
+            "tie_word_embeddings": self.tie_word_embeddings,
+        }
+
+    def replace(self, **changes: Any) -> "Qwen3_5VLArgs":
+        return dataclasses.replace(self, **changes)
+
+
+def _vl(text: str, vision: VisionArgs) -> Qwen3_5VLArgs:
+    t = FLAVORS[text]
+    return Qwen3_5VLArgs(text=t, vision=vision, tie_word_embeddings=t.tie_word_embeddings)
+
+
+VL_FLAVORS: dict[str, Qwen3_5VLArgs] = {
+    # The debug text model + a 2-block tower (8-pixel patches keep the dummy images small); the special
+    # ids sit at the top of the 2048-token vocabulary.
+    "debug": Qwen3_5VLArgs(
+        text=FLAVORS["debug"],
+        vision=VisionArgs(depth=2, hidden_size=64, intermediate_size=128, num_heads=2, patch_size=8,
+                          temporal_patch_size=2, spatial_merge_size=2, out_hidden_size=128,
+                          num_position_embeddings=64, deepstack_visual_indexes=[], model_type="qwen3_5_vision"),
+        image_token_id=2040,
+        video_token_id=2041,
+        vision_start_token_id=2042,
+        vision_end_token_id=2043,
+    ),
+    # The released sizes with their towers (MODELS.md 2.7; read the checkpoint's config.json).
+    "0.8b": _vl("0.8b", _vision(12, 768, 12, 3072, 1024)),
+    "4b": _vl("4b", _vision(24, 1024, 16, 4096, 2560)),
+    "9b": _vl("9b", _vision(27, 1152, 16, 4304, 4096)),
+    "27b": _vl("27b", _vision(27, 1152, 16, 4304, 5120)),
 }

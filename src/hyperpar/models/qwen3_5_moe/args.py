@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from hyperpar.errors import ConfigError
-from hyperpar.models.qwen3_5.args import FULL, LINEAR, Qwen3_5Args, interval_layer_types
+from hyperpar.models.qwen3_5.args import FULL, LINEAR, Qwen3_5Args, Qwen3_5VLArgs, interval_layer_types
 from hyperpar.models.vision import VisionArgs
 
 
@@ -173,8 +172,9 @@ def _vision_35b() -> VisionArgs:
 
 
 @dataclass
-class Qwen3_5MoeVLArgs:
-    """The composite config: the MoE text model, the (DeepStack-free) vision tower, special token ids.
+class Qwen3_5MoeVLArgs(Qwen3_5VLArgs):
+    """The composite config: the MoE text model, the (DeepStack-free) vision tower, special token ids
+    (the dense VL args with MoE text and names).
 
     Tying follows the top-level flag (copied into ``text.tie_word_embeddings``). ``mtp_loss_weight``
     lives here (ModelBuilder sets it); ``text.mtp_loss_weight`` is not used by the VL model.
@@ -182,85 +182,26 @@ class Qwen3_5MoeVLArgs:
 
     text: Qwen3_5MoeArgs = field(default_factory=lambda: FLAVORS["35b_a3b"])
     vision: VisionArgs = field(default_factory=_vision_35b)
-    image_token_id: int = 248056
-    video_token_id: int = 248057
-    vision_start_token_id: int = 248053
-    vision_end_token_id: int = 248054
-    tie_word_embeddings: bool = False
     mtp_loss_weight: float = 0.0
 
-    def __post_init__(self) -> None:
-        if isinstance(self.text, dict):
-            self.text = Qwen3_5MoeArgs(**self.text)
-        if isinstance(self.vision, dict):
-            self.vision = VisionArgs(**self.vision)
-        if self.text.tie_word_embeddings != self.tie_word_embeddings:
-            self.text = self.text.replace(tie_word_embeddings=self.tie_word_embeddings)
-        self.validate()
+    NAME: ClassVar[str] = "qwen3_5_moe_vl"
+    TEXT_CLS: ClassVar[type] = Qwen3_5MoeArgs
+    HF_MODEL_TYPE: ClassVar[str] = "qwen3_5_moe"
+    HF_ARCHITECTURE: ClassVar[str] = "Qwen3_5MoeForConditionalGeneration"
+    VISION_MODEL_TYPE: ClassVar[str] = "qwen3_5_moe_vision"
 
     def validate(self) -> None:
-        def bad(msg: str, hint: str | None = None) -> ConfigError:
-            return ConfigError(f"qwen3_5_moe_vl: {msg}", hint=hint)
-
-        if self.vision.out_hidden_size != self.text.hidden_size:
-            raise bad(f"vision out_hidden_size {self.vision.out_hidden_size} != text hidden_size {self.text.hidden_size}",
-                      hint="the merger must project to the text width")
-        if self.vision.deepstack_visual_indexes:
-            raise bad("Qwen3.5 vision towers have no DeepStack mergers", hint="deepstack_visual_indexes must be empty")
-        ids = {"image_token_id": self.image_token_id, "video_token_id": self.video_token_id,
-               "vision_start_token_id": self.vision_start_token_id, "vision_end_token_id": self.vision_end_token_id}
-        out = [f"{k}={v}" for k, v in ids.items() if not 0 <= v < self.text.vocab_size]
-        if out:
-            raise bad(f"{', '.join(out)} outside the vocabulary of {self.text.vocab_size}")
+        super().validate()
         if self.mtp_loss_weight < 0:
-            raise bad("mtp_loss_weight must be ≥ 0")
+            raise self.error("mtp_loss_weight must be ≥ 0")
         if self.mtp_loss_weight > 0 and self.text.mtp_num_hidden_layers < 1:
-            raise bad(f"mtp_loss_weight={self.mtp_loss_weight} but the model has no MTP module",
-                      hint="set text mtp_num_hidden_layers ≥ 1 or model.mtp_loss_weight=0")
-
-    @property
-    def vocab_size(self) -> int:
-        return self.text.vocab_size
+            raise self.error(f"mtp_loss_weight={self.mtp_loss_weight} but the model has no MTP module",
+                             hint="set text mtp_num_hidden_layers ≥ 1 or model.mtp_loss_weight=0")
 
     @property
     def text_for_mtp(self) -> Qwen3_5MoeArgs:
         """The text args with this model's MTP weight (what the FLOP count needs)."""
         return self.text.replace(mtp_loss_weight=self.mtp_loss_weight)
-
-    @classmethod
-    def from_hf_config(cls, d: dict[str, Any]) -> "Qwen3_5MoeVLArgs":
-        if not isinstance(d.get("text_config"), dict) or not isinstance(d.get("vision_config"), dict):
-            raise ConfigError("qwen3_5_moe config.json needs text_config and vision_config for the VL model",
-                              hint="a text-only qwen3_5_moe_text directory loads with model=qwen3_5_moe")
-        text = Qwen3_5MoeArgs.from_hf_config(d)  # reads text_config; ties by the top-level flag
-        return cls(
-            text=text,
-            vision=VisionArgs.from_hf_config({"model_type": "qwen3_5_moe_vision", **d["vision_config"]}),
-            image_token_id=int(d.get("image_token_id", 248056)),
-            video_token_id=int(d.get("video_token_id", 248057)),
-            vision_start_token_id=int(d.get("vision_start_token_id", 248053)),
-            vision_end_token_id=int(d.get("vision_end_token_id", 248054)),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-        )
-
-    def to_hf_config(self) -> dict[str, Any]:
-        """A ``Qwen3_5MoeForConditionalGeneration`` config.json with every field explicit."""
-        text = self.text.to_hf_config()
-        del text["architectures"]
-        return {
-            "architectures": ["Qwen3_5MoeForConditionalGeneration"],
-            "model_type": "qwen3_5_moe",
-            "text_config": text,
-            "vision_config": self.vision.to_hf_config(),
-            "image_token_id": self.image_token_id,
-            "video_token_id": self.video_token_id,
-            "vision_start_token_id": self.vision_start_token_id,
-            "vision_end_token_id": self.vision_end_token_id,
-            "tie_word_embeddings": self.tie_word_embeddings,
-        }
-
-    def replace(self, **changes: Any) -> "Qwen3_5MoeVLArgs":
-        return dataclasses.replace(self, **changes)
 
 
 VL_FLAVORS: dict[str, Qwen3_5MoeVLArgs] = {

@@ -21,19 +21,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hyperpar.models.layers import (
-    RMSNorm,
-    SparseMoeBlock,
-    init_param_by_module,
-    load_balancing_loss,
-    record_router_stats,
-)
-from hyperpar.models.multimodal import get_rope_index, scatter_features, tower_features
+from hyperpar.models.layers import RMSNorm, SparseMoeBlock, load_balancing_loss, record_router_stats
 from hyperpar.models.output import ModelOutput
 from hyperpar.models.qwen3_5.args import FULL
 from hyperpar.models.qwen3_5.model import Qwen3_5DecoderLayer, Qwen3_5ForCausalLM, Qwen3_5TextModel
+from hyperpar.models.qwen3_5.vl import Qwen3_5ForConditionalGeneration, Qwen3_5VLModel
 from hyperpar.models.qwen3_5_moe.args import Qwen3_5MoeArgs, Qwen3_5MoeVLArgs
-from hyperpar.models.vision import VisionTower
 
 
 class Qwen3_5MoeDecoderLayer(Qwen3_5DecoderLayer):
@@ -179,78 +172,34 @@ class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
 # --- vision-language ---------------------------------------------------------------------------------
 
 
-class Qwen3_5MoeVLModel(nn.Module):
-    """``model``: vision tower, placeholder scatter, 3-D positions, text decoder (no DeepStack)."""
+class Qwen3_5MoeVLModel(Qwen3_5VLModel):
+    """``model``: vision tower, placeholder scatter, 3-D positions, MoE text decoder (no DeepStack)."""
 
-    def __init__(self, args: Qwen3_5MoeVLArgs) -> None:
-        super().__init__()
-        self.args = args
-        self.visual: VisionTower | None = VisionTower(args.vision)
-        self.language_model = Qwen3_5MoeTextModel(args.text)
-
-    def embed(
-        self,
-        input_ids: torch.Tensor,
-        pixel_values: torch.Tensor | None,
-        image_grid_thw: torch.Tensor | None,
-        pixel_values_videos: torch.Tensor | None,
-        video_grid_thw: torch.Tensor | None,
-        mm_token_type_ids: torch.Tensor | None,
-        position_ids: torch.Tensor | None,
-        attention_mask: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(input embeddings with vision features at their placeholders, position ids) — 3-D
-        positions from ``get_rope_index`` when vision grids are given and no positions are."""
-        a = self.args
-        embeds = self.language_model.embed_tokens(input_ids)
-        image, video = (None if f is None else f[0] for f in tower_features(
-            self.visual, self.args.vision.merge_unit, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw))
-        if image is not None:
-            embeds = scatter_features(embeds, input_ids == a.image_token_id, image, "image")
-        if video is not None:
-            embeds = scatter_features(embeds, input_ids == a.video_token_id, video, "video")
-        if position_ids is None and (image_grid_thw is not None or video_grid_thw is not None):
-            position_ids, _ = get_rope_index(
-                input_ids, mm_token_type_ids, image_grid_thw, video_grid_thw,
-                spatial_merge_size=a.vision.spatial_merge_size, attention_mask=attention_mask,
-            )
-        return embeds, position_ids
+    text_model_cls = Qwen3_5MoeTextModel
 
 
-class Qwen3_5MoeForConditionalGeneration(nn.Module):
+class Qwen3_5MoeForConditionalGeneration(Qwen3_5ForConditionalGeneration):
     """``forward(input_ids, pixel_values=None, image_grid_thw=None, pixel_values_videos=None,
     video_grid_thw=None, mm_token_type_ids=None, position_ids=None, attention_mask=None) -> ModelOutput``.
 
-    Same outputs as ``Qwen3_5MoeForCausalLM`` (logits, aux_loss, mtp_logits); the MTP step reads the
-    merged input embeddings (vision features at placeholder positions) and the 3-D positions.
-    Without an embedding (a later pipeline stage) input_ids are hidden states; without an
-    ``lm_head`` forward returns hidden states.
+    The dense VL model with the MoE text stack and the MTP module. Same outputs as
+    ``Qwen3_5MoeForCausalLM`` (logits, aux_loss, mtp_logits); the MTP step reads the merged input
+    embeddings (vision features at placeholder positions) and the 3-D positions. Without an
+    embedding (a later pipeline stage) input_ids are hidden states; without an ``lm_head`` forward
+    returns hidden states.
     """
 
+    vl_model_cls = Qwen3_5MoeVLModel
+
     def __init__(self, args: Qwen3_5MoeVLArgs) -> None:
-        super().__init__()
-        self.args = args
-        self.model = Qwen3_5MoeVLModel(args)
-        self.lm_head: nn.Linear | None = nn.Linear(args.text.hidden_size, args.text.vocab_size, bias=False)
+        super().__init__(args)
         self.mtp: Qwen3_5MoeMTP | None = Qwen3_5MoeMTP(args.text) if args.text.mtp_num_hidden_layers > 0 else None
-        self.tie_weights()
-
-    def tie_weights(self) -> None:
-        """Share ``lm_head.weight`` with the embedding when the top-level config ties them (again
-        after ``to_empty``, which materialises each module separately)."""
-        emb = self.model.language_model.embed_tokens
-        if self.args.tie_word_embeddings and self.lm_head is not None and emb is not None:
-            self.lm_head.weight = emb.weight
-
-    @property
-    def tied_weights(self) -> dict[str, str]:
-        return {"lm_head.weight": "model.language_model.embed_tokens.weight"} if self.args.tie_word_embeddings else {}
 
     @property
     def mtp_active(self) -> bool:
         return self.args.mtp_loss_weight > 0 and self.mtp is not None and self.lm_head is not None
 
-    def forward(
+    def forward(  # type: ignore[override]
         self,
         input_ids: torch.Tensor,
         pixel_values: torch.Tensor | None = None,
@@ -263,13 +212,8 @@ class Qwen3_5MoeForConditionalGeneration(nn.Module):
     ) -> ModelOutput | torch.Tensor:
         lm = self.model.language_model
         with record_router_stats() as stats:
-            if lm.embed_tokens is None or input_ids.is_floating_point():
-                embeds = input_ids
-            else:
-                embeds, position_ids = self.model.embed(
-                    input_ids, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw,
-                    mm_token_type_ids, position_ids, attention_mask,
-                )
+            embeds, position_ids = self.embed(input_ids, pixel_values, image_grid_thw, pixel_values_videos,
+                                              video_grid_thw, mm_token_type_ids, position_ids, attention_mask)
             h = lm(embeds, position_ids, attention_mask)
             if self.lm_head is None:
                 return h
@@ -280,20 +224,6 @@ class Qwen3_5MoeForConditionalGeneration(nn.Module):
                 mtp_logits = self.lm_head(mtp_h)
         aux = self.args.text.router_aux_loss_coef * load_balancing_loss(stats) if stats else None
         return ModelOutput(logits=logits, aux_loss=aux, mtp_logits=mtp_logits)
-
-    # --- framework hooks (see hyperpar.models.spec) -----------------------------------------
-
-    def init_param(self, name: str, full: torch.Tensor, gen: torch.Generator) -> None:
-        """Fill the full-shaped fp32 tensor of parameter ``name`` in place (a pure function of gen)."""
-        prefix = "model.visual."
-        if name.startswith(prefix) and self.model.visual is not None:
-            self.model.visual.init_param(name[len(prefix) :], full, gen)
-        else:
-            init_param_by_module(self, name, full, gen, std=self.args.text.initializer_range)
-
-    def init_buffers(self) -> None:
-        self.model.language_model.rotary_emb.reset_buffers()
-        self.tie_weights()
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per text token of the text model (and MTP when it trains); the vision

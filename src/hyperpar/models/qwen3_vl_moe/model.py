@@ -25,11 +25,17 @@ from hyperpar.models.layers import (
     RotaryEmbedding,
     SparseMoeBlock,
     SwiGLUMLP,
-    init_param_by_module,
     load_balancing_loss,
     record_router_stats,
 )
-from hyperpar.models.multimodal import add_deepstack, deepstack_inputs, get_rope_index, scatter_features, tower_features
+from hyperpar.models.multimodal import (
+    VisionLanguageHooks,
+    add_deepstack,
+    deepstack_inputs,
+    get_rope_index,
+    scatter_features,
+    tower_features,
+)
 from hyperpar.models.output import ModelOutput
 from hyperpar.models.qwen3_vl_moe.args import Qwen3VLMoeArgs, Qwen3VLMoeTextArgs
 from hyperpar.models.vision import VisionTower
@@ -145,7 +151,7 @@ class Qwen3VLMoeModel(nn.Module):
         return lm(embeds, position_ids, visual_mask, deepstack)
 
 
-class Qwen3VLMoeForConditionalGeneration(nn.Module):
+class Qwen3VLMoeForConditionalGeneration(VisionLanguageHooks, nn.Module):
     """``forward(input_ids, pixel_values=None, image_grid_thw=None, pixel_values_videos=None,
     video_grid_thw=None, mm_token_type_ids=None, position_ids=None) -> ModelOutput``.
 
@@ -161,7 +167,7 @@ class Qwen3VLMoeForConditionalGeneration(nn.Module):
         self.lm_head: nn.Linear | None = nn.Linear(args.text.hidden_size, args.text.vocab_size, bias=False)
         self.tie_weights()
 
-    # --- embeddings and tying ---------------------------------------------------------------
+    # --- embeddings (tying and init: VisionLanguageHooks) -------------------------------------
 
     def get_input_embeddings(self) -> nn.Embedding | None:
         return self.model.language_model.embed_tokens
@@ -169,17 +175,6 @@ class Qwen3VLMoeForConditionalGeneration(nn.Module):
     def set_input_embeddings(self, embedding: nn.Embedding) -> None:
         self.model.language_model.embed_tokens = embedding
         self.tie_weights()
-
-    def tie_weights(self) -> None:
-        """Share ``lm_head.weight`` with the embedding when the (top-level) config ties them.
-        Needed again after ``to_empty``, which materialises each module separately."""
-        emb = self.model.language_model.embed_tokens
-        if self.args.tie_word_embeddings and self.lm_head is not None and emb is not None:
-            self.lm_head.weight = emb.weight
-
-    @property
-    def tied_weights(self) -> dict[str, str]:
-        return {"lm_head.weight": "model.language_model.embed_tokens.weight"} if self.args.tie_word_embeddings else {}
 
     # --- forward ------------------------------------------------------------------------------
 
@@ -204,19 +199,6 @@ class Qwen3VLMoeForConditionalGeneration(nn.Module):
         return ModelOutput(logits=logits, aux_loss=aux)
 
     # --- framework hooks (see hyperpar.models.spec) -----------------------------------------
-
-    def init_param(self, name: str, full: torch.Tensor, gen: torch.Generator) -> None:
-        """Fill the full-shaped fp32 tensor of parameter ``name`` in place (a pure function of gen)."""
-        prefix = "model.visual."
-        if name.startswith(prefix) and self.model.visual is not None:
-            self.model.visual.init_param(name[len(prefix) :], full, gen)
-        else:
-            init_param_by_module(self, name, full, gen, std=self.args.text.initializer_range)
-
-    def init_buffers(self) -> None:
-        """Recompute non-persistent buffers on the current device and restore the weight tie."""
-        self.model.language_model.rotary_emb.reset_buffers()
-        self.tie_weights()
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per text token (forward + backward): 6 × active non-embedding parameters
