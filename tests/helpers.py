@@ -88,3 +88,13 @@ def one_error_line(res: subprocess.CompletedProcess) -> str:
     assert len(lines) == 1, res.stderr[-3000:]
     assert "Traceback" not in res.stderr
     return lines[0]
+
+
+def hf_named_grads(model) -> dict:
+    """The model's gradients under the checkpoint's key names (split parameters fused back), to
+    compare with a transformers model's ``named_parameters()`` grads."""
+    from hyperpar.models.fused import join_parts
+    from hyperpar.models.spec import spec_of_model
+
+    adapter = spec_of_model(model).adapter(model.args)
+    return dict(join_parts(kv for n, p in model.named_parameters() for kv in adapter.export_param(n, p.grad).items()))

@@ -203,7 +203,9 @@ def _transformers_matches(ours: torch.nn.Module, hf_dir: Path, vocab: int) -> fl
 
     hf = Qwen3_5ForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     hf_sd = hf.state_dict()
-    for name, t in ours.state_dict().items():
+    from hyperpar.models.hf_io import hf_state_dict
+
+    for name, t in hf_state_dict(ours).items():
         assert torch.equal(hf_sd[name], t), name  # the export is lossless
     ids = torch.randint(0, vocab, (2, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():

@@ -90,14 +90,23 @@ def test_layer_matches_transformers() -> None:
     with torch.no_grad():
         hf.norm.weight.normal_(1.0, 0.2)
     ours = GatedDeltaNet(64, 2, 4, 16, 32, 4, eps=1e-6)
-    ours.load_state_dict(hf.state_dict())
+    sizes = [2 * 16, 2 * 16, 4 * 32]  # the fused rows [Q; K; V]
+
+    def split(state: dict) -> dict:
+        state = dict(state)
+        for fused, parts in (("in_proj_qkv", ("in_proj_q", "in_proj_k", "in_proj_v")), ("conv1d", ("conv1d_q", "conv1d_k", "conv1d_v"))):
+            for part, t in zip(parts, state.pop(f"{fused}.weight").split(sizes)):
+                state[f"{part}.weight"] = t
+        return state
+
+    ours.load_state_dict(split(hf.state_dict()))
     x = torch.randn(2, 70, 64, requires_grad=True)
     ref = hf(x)
     out = ours(x)
     assert (out - ref).abs().max().item() <= 1e-5
     w = torch.randn_like(ref)
     (ref * w).sum().backward()
-    ref_grads = {n: p.grad.clone() for n, p in hf.named_parameters()}
+    ref_grads = split({n: p.grad.clone() for n, p in hf.named_parameters()})
     gx = x.grad.clone()
     x.grad = None
     (out * w).sum().backward()

@@ -15,7 +15,9 @@ from safetensors.torch import load_file, save_file
 from fixtures import qwen3_5_moe as tiny
 from fixtures import qwen3_5_moe_vl
 from hyperpar.errors import ConfigError
+from helpers import hf_named_grads
 from hyperpar.models import from_hf, to_hf
+from hyperpar.models.hf_io import hf_state_dict
 from hyperpar.models.output import ModelOutput
 from hyperpar.models.qwen3_5_moe import (
     FLAVORS,
@@ -123,10 +125,10 @@ def test_loss_grads_and_aux_loss_match_transformers(impl: str) -> None:
     assert abs(out.aux_loss.item() / coef - ref.aux_loss.item()) <= 1e-5
     (lm + out.aux_loss).backward()
     hf_params = dict(hf.named_parameters())
-    ours_params = dict(ours.named_parameters())
-    assert set(ours_params) == set(hf_params)
-    for name, p in ours_params.items():
-        g_ref, g = hf_params[name].grad, p.grad
+    ours_grads = hf_named_grads(ours)
+    assert set(ours_grads) == set(hf_params)
+    for name, g in ours_grads.items():
+        g_ref = hf_params[name].grad
         assert g is not None and g_ref is not None, name
         assert (g - g_ref).abs().max().item() <= 1e-5, name
 
@@ -170,7 +172,7 @@ def reload_in_transformers(path: Path, ours: Qwen3_5MoeForCausalLM, ids: torch.T
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
     assert type(model).__name__ == "Qwen3_5MoeForCausalLM"
     hf_sd = model.state_dict()
-    for name, t in ours.state_dict().items():
+    for name, t in hf_state_dict(ours).items():
         if not name.startswith("mtp."):
             assert torch.equal(hf_sd[name], t), name  # the export is lossless
     with torch.no_grad():
@@ -276,7 +278,7 @@ def test_mtp_loads_and_produces_logits_only_when_weighted(tmp_path: Path) -> Non
 
     model = from_hf(tmp_path)
     assert model.mtp is not None and model.args.mtp_num_hidden_layers == 1 and model.args.mtp_loss_weight == 0
-    sd = model.state_dict()
+    sd = hf_state_dict(model)
     for k, v in extra.items():
         assert torch.equal(sd[k], v), k
     ids = ids_for(24)
@@ -343,7 +345,7 @@ def test_debug_flavour_trains_with_aux_and_mtp() -> None:
             p.copy_(full)
     n = sum(p.numel() for p in model.parameters())
     assert 1_500_000 <= n <= 4_000_000
-    sd = model.state_dict()
+    sd = hf_state_dict(model)
     assert torch.all(sd["mtp.pre_fc_norm_hidden.weight"] == 0) and 0.015 < sd["mtp.fc.weight"].std() < 0.025
     assert 0.015 < sd["model.layers.0.mlp.experts.gate_up_proj"].std() < 0.025
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
@@ -530,7 +532,7 @@ def test_vl_export_import_and_text_family_reads_vl_checkpoint(tmp_path: Path) ->
     assert cfg["model_type"] == "qwen3_5_moe" and cfg["architectures"] == ["Qwen3_5MoeForConditionalGeneration"]
     reloaded = AutoModelForImageTextToText.from_pretrained(str(tmp_path / "ours"), dtype=torch.float32)
     hf_sd = reloaded.state_dict()
-    for name, t in ours.state_dict().items():
+    for name, t in hf_state_dict(ours).items():
         assert torch.equal(hf_sd[name], t), name
     with torch.no_grad():
         assert (reloaded(**inputs, use_cache=False).logits - mine).abs().max().item() <= 1e-5

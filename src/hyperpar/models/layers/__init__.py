@@ -5,13 +5,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hyperpar.models.layers.attention import Attention, attention_core
+from hyperpar.models.layers.attention import Attention, AttentionCore, attention_core
 from hyperpar.models.layers.gated_deltanet import (
     GatedDeltaNet,
+    GatedDeltaRule,
     causal_depthwise_conv1d,
     chunk_gated_delta_rule,
     recurrent_gated_delta_rule,
 )
+from hyperpar.models.layers.local import local
 from hyperpar.models.layers.mlp import SwiGLUMLP
 from hyperpar.models.layers.moe import (
     GroupedExperts,
@@ -27,7 +29,9 @@ from hyperpar.models.layers.rope import RotaryEmbedding, apply_rotary
 
 __all__ = [
     "Attention",
+    "AttentionCore",
     "GatedDeltaNet",
+    "GatedDeltaRule",
     "GatedRMSNorm",
     "GroupedExperts",
     "RMSNorm",
@@ -42,6 +46,7 @@ __all__ = [
     "chunk_gated_delta_rule",
     "experts_forward",
     "init_param_by_module",
+    "local",
     "load_balancing_loss",
     "record_router_stats",
     "recurrent_gated_delta_rule",

@@ -1,7 +1,8 @@
 """Full softmax attention: the attention core (SDPA) and the Qwen projection block around it.
 
-``attention_core`` is the single seam where the attention kernel sits, so context parallelism
-(ring / Ulysses) can replace it without touching the projections.
+``AttentionCore`` (a module around ``attention_core``) is the single seam where the attention
+kernel sits, so context parallelism (Ulysses all-to-all) can wrap it and a GPU build can swap the
+kernel without touching the projections.
 """
 
 from __future__ import annotations
@@ -32,6 +33,22 @@ def attention_core(
         enable_gqa=nh != nkv,
     )  # (B, nh, S, hd)
     return out.transpose(1, 2)
+
+
+class AttentionCore(nn.Module):
+    """Causal softmax attention over (B, S, heads, hd) tensors; no parameters. Heads are
+    independent, so a head-sharded slice of q (with the k/v heads it reads) gives that slice."""
+
+    def __init__(self, scale: float, causal: bool = True) -> None:
+        super().__init__()
+        self.scale = scale
+        self.causal = causal
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return attention_core(q, k, v, causal=self.causal, scale=self.scale)
+
+    def extra_repr(self) -> str:
+        return f"scale={self.scale:.4g}, causal={self.causal}"
 
 
 class Attention(nn.Module):
@@ -69,6 +86,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=bias)
         self.q_norm = RMSNorm(head_dim, eps, offset=norm_offset)
         self.k_norm = RMSNorm(head_dim, eps, offset=norm_offset)
+        self.core = AttentionCore(self.scale)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         B, S, _ = x.shape
@@ -83,7 +101,7 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(B, S, -1, hd)
         q = apply_rotary(self.q_norm(q), cos, sin)
         k = apply_rotary(self.k_norm(k), cos, sin)
-        out = attention_core(q, k, v, causal=True, scale=self.scale)  # (B, S, nh, hd)
+        out = self.core(q, k, v)  # (B, S, nh, hd)
         if gate is not None:
             out = out * torch.sigmoid(gate)
         return self.o_proj(out.reshape(B, S, -1))

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hyperpar.models.layers.local import local
 from hyperpar.models.layers.norms import GatedRMSNorm
 
 
@@ -61,7 +62,7 @@ class _CausalConvSilu(torch.autograd.Function):
 def causal_depthwise_conv1d(x: torch.Tensor, weight: torch.Tensor, *, silu: bool = True) -> torch.Tensor:
     """Causal depthwise conv over time, no bias: ``u[t, c] = Σ_i w[c, 0, i] · x[t − (K−1) + i, c]``.
 
-    x: (B, S, C); weight: (C, 1, K) (the nn.Conv1d layout of the checkpoint). Computed in the
+    x: (B, S, C); weight: (C, 1, K) (the nn.Conv1d layout of the checkpoint) or (C, K). Computed in the
     weight's dtype, then silu (if asked), then cast to x's dtype (as transformers does). Written as
     K shifted multiply-adds in the (B, S, C) layout: for K = 4 this is several times faster on CPU
     than a grouped ``F.conv1d`` (which also needs two transposes).
@@ -195,12 +196,55 @@ def recurrent_gated_delta_rule(
     return torch.stack(outs, dim=1).to(out_dtype)
 
 
-class GatedDeltaNet(nn.Module):
-    """Qwen3.5 ``linear_attn`` block with transformers' parameter names and layouts (MODELS.md 5.1).
+class GatedDeltaRule(nn.Module):
+    """The GatedDeltaNet recurrence as a module: causal depthwise conv + silu on the projected q, k, v,
+    then the chunked gated delta rule. No parameters of its own (the conv weights come in as
+    arguments), so a parallelizer can wrap it (context parallel: all-to-all to head-sharded full
+    sequences around it) and a GPU build can swap in a fused kernel, without touching the block.
 
-    x (B, S, H) → in_proj_qkv → causal conv + silu → split Q | K | V → gated delta rule with decay
+    q, k: (B, S, nk, dk) and v: (B, S, nv, dv) before the conv; g, beta: (B, S, nv);
+    conv_q/k/v: (channels, K) depthwise weights for the flattened heads. Returns o (B, S, nv, dv).
+    Heads are independent, so any head-sharded slice of the inputs gives that slice of the output.
+    """
+
+    def __init__(self, chunk_size: int = 32) -> None:
+        super().__init__()
+        self.chunk_size = chunk_size
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        conv_q: torch.Tensor,
+        conv_k: torch.Tensor,
+        conv_v: torch.Tensor,
+    ) -> torch.Tensor:
+        B, S = q.shape[:2]
+        q, k, v = (
+            causal_depthwise_conv1d(t.reshape(B, S, -1), w, silu=True).view(t.shape)
+            for t, w in ((q, conv_q), (k, conv_k), (v, conv_v))
+        )
+        return chunk_gated_delta_rule(q, k, v, g, beta, self.chunk_size)
+
+    def extra_repr(self) -> str:
+        return f"chunk_size={self.chunk_size}"
+
+
+class GatedDeltaNet(nn.Module):
+    """Qwen3.5 ``linear_attn`` block (MODELS.md 5.1).
+
+    x (B, S, H) → q/k/v projections → causal conv + silu → gated delta rule with decay
     ``g = −exp(A_log) · softplus(a + dt_bias)`` and ``β = sigmoid(b)`` → gated RMSNorm with
     z → out_proj.
+
+    The checkpoint fuses the q, k and v projections (``in_proj_qkv``, rows [Q; K; V]) and their
+    depthwise conv (``conv1d``); here each is its own parameter (``in_proj_q/k/v``,
+    ``conv1d_q/k/v``) so tensor parallelism can shard all three by heads with a plain row split
+    (a row split of the fused weight would give rank 0 all of Q). The HF adapter fuses and
+    unfuses them, so checkpoints in and out keep the released layout.
 
     ``chunk_size`` only changes fp32 rounding (the result is exact for any size). 32 is the fastest
     on CPU for dk = dv = 64…128 (the C² intra-chunk work halves while the scan stays short) and
@@ -226,36 +270,42 @@ class GatedDeltaNet(nn.Module):
         self.num_value_heads = num_value_heads
         self.key_head_dim = key_head_dim
         self.value_head_dim = value_head_dim
-        self.chunk_size = chunk_size
         key_dim = num_key_heads * key_head_dim
         value_dim = num_value_heads * value_head_dim
-        conv_dim = 2 * key_dim + value_dim
-        self.in_proj_qkv = nn.Linear(hidden_size, conv_dim, bias=False)  # rows [Q; K; V]
+        self.in_proj_q = nn.Linear(hidden_size, key_dim, bias=False)
+        self.in_proj_k = nn.Linear(hidden_size, key_dim, bias=False)
+        self.in_proj_v = nn.Linear(hidden_size, value_dim, bias=False)
         self.in_proj_z = nn.Linear(hidden_size, value_dim, bias=False)
         self.in_proj_b = nn.Linear(hidden_size, num_value_heads, bias=False)
         self.in_proj_a = nn.Linear(hidden_size, num_value_heads, bias=False)
-        self.conv1d = nn.Conv1d(conv_dim, conv_dim, conv_kernel_size, groups=conv_dim, bias=False)
+        K = conv_kernel_size
+        self.conv1d_q = nn.Conv1d(key_dim, key_dim, K, groups=key_dim, bias=False)
+        self.conv1d_k = nn.Conv1d(key_dim, key_dim, K, groups=key_dim, bias=False)
+        self.conv1d_v = nn.Conv1d(value_dim, value_dim, K, groups=value_dim, bias=False)
         self.dt_bias = nn.Parameter(torch.ones(num_value_heads))
         self.A_log = nn.Parameter(torch.empty(num_value_heads).uniform_(0.01, 16).log_())
+        self.recurrence = GatedDeltaRule(chunk_size)
         self.norm = GatedRMSNorm(value_head_dim, eps)
         self.out_proj = nn.Linear(value_dim, hidden_size, bias=False)
 
+    @property
+    def chunk_size(self) -> int:
+        return self.recurrence.chunk_size
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, S, _ = x.shape
+        B, S = x.shape[:2]
         dk, dv = self.key_head_dim, self.value_head_dim
-        mixed = causal_depthwise_conv1d(self.in_proj_qkv(x), self.conv1d.weight, silu=True)  # (B, S, 2·nk·dk + nv·dv)
+        # Head counts from the activations (-1), not the module config: a head-sharded (TP) layer
+        # holds fewer heads and works unchanged; its sharded parameters are used through local().
+        q = self.in_proj_q(x).view(B, S, -1, dk)
+        k = self.in_proj_k(x).view(B, S, -1, dk)
+        v = self.in_proj_v(x).view(B, S, -1, dv)
         b = self.in_proj_b(x)  # (B, S, nv)
-        # Head counts from the activations, not the module config: a head-sharded (TP) layer
-        # holds fewer heads and works unchanged.
-        value_dim = b.shape[-1] * dv
-        key_dim = (mixed.shape[-1] - value_dim) // 2
-        q, k, v = torch.split(mixed, [key_dim, key_dim, value_dim], dim=-1)
-        q = q.view(B, S, -1, dk)
-        k = k.view(B, S, -1, dk)
-        v = v.view(B, S, -1, dv)
         beta = torch.sigmoid(b)  # activation dtype, as transformers
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)  # fp32, ≤ 0
-        o = chunk_gated_delta_rule(q, k, v, g, beta, self.chunk_size)  # (B, S, nv, dv)
+        a_log, dt_bias = local(self.A_log), local(self.dt_bias)
+        g = -a_log.float().exp() * F.softplus(self.in_proj_a(x).float() + dt_bias)  # fp32, ≤ 0
+        convs = (local(c.weight) for c in (self.conv1d_q, self.conv1d_k, self.conv1d_v))
+        o = self.recurrence(q, k, v, g, beta, *convs)  # (B, S, nv, dv)
         z = self.in_proj_z(x).view(B, S, -1, dv)
         o = self.norm(o, z)
         return self.out_proj(o.reshape(B, S, -1))

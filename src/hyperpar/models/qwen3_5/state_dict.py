@@ -13,6 +13,7 @@ from typing import Any, Callable
 import torch
 
 from hyperpar.errors import CheckpointError
+from hyperpar.models.fused import FusedPart
 from hyperpar.models.qwen3_5.args import Qwen3_5Args
 
 # Wrapper segments that parallelisation may add to parameter names.
@@ -23,6 +24,48 @@ def canonical_name(name: str) -> str:
     for seg in _WRAPPER_SEGMENTS:
         name = name.replace(seg, "")
     return name
+
+
+# Our split GatedDeltaNet parameters -> (fused checkpoint name, part index); rows [Q; K; V].
+_GDN_PARTS = {
+    f"linear_attn.{ours}.weight": (f"linear_attn.{fused}.weight", i)
+    for fused, names in (("in_proj_qkv", ("in_proj_q", "in_proj_k", "in_proj_v")), ("conv1d", ("conv1d_q", "conv1d_k", "conv1d_v")))
+    for i, ours in enumerate(names)
+}
+
+
+def gdn_part(name: str) -> tuple[str, str, int] | None:
+    """(our name's prefix, fused suffix, part index) when ``name`` is a split GatedDeltaNet weight."""
+    for suffix, (fused, index) in _GDN_PARTS.items():
+        if name.endswith(suffix):
+            return name[: -len(suffix)], fused, index
+    return None
+
+
+def gdn_rows(args: Any, index: int) -> tuple[int, int]:
+    """(offset, rows) of part ``index`` (Q, K, V) in the fused in_proj_qkv / conv1d; ``args`` is a
+    text config with the linear-attention geometry."""
+    key_dim = args.linear_num_key_heads * args.linear_key_head_dim
+    value_dim = args.linear_num_value_heads * args.linear_value_head_dim
+    return ((0, key_dim), (key_dim, key_dim), (2 * key_dim, value_dim))[index]
+
+
+def load_gdn_part(name: str, args: Any, load: Callable[[str], torch.Tensor]) -> torch.Tensor | None:
+    """Our split GatedDeltaNet weight ``name`` as a narrowed view of ``load(fused name)``; None for
+    any other parameter."""
+    part = gdn_part(name)
+    if part is None:
+        return None
+    prefix, fused, index = part
+    return load(prefix + fused).narrow(0, *gdn_rows(args, index))
+
+
+def export_gdn_part(name: str, tensor: torch.Tensor) -> dict[str, FusedPart] | None:
+    part = gdn_part(name)
+    if part is None:
+        return None
+    prefix, fused, index = part
+    return {prefix + fused: FusedPart(0, index, 3, tensor)}
 
 
 class Qwen3_5StateDictAdapter:
@@ -43,6 +86,11 @@ class Qwen3_5StateDictAdapter:
         raise CheckpointError(f"qwen3_5: parameter '{name}' has no checkpoint key")
 
     def load_param(self, name: str, read: Callable[[str], torch.Tensor]) -> torch.Tensor:
+        """``read(key)`` may return a tensor, a meta tensor or a lazy slice: anything with ``narrow``."""
+        name = canonical_name(name)
+        part = load_gdn_part(name, self.args, lambda fused: self.load_param(fused, read))
+        if part is not None:
+            return part
         keys = self.hf_keys(name)
         for key in keys:
             try:
@@ -51,10 +99,13 @@ class Qwen3_5StateDictAdapter:
                 continue
         raise CheckpointError(f"checkpoint has no tensor for '{name}' (tried {', '.join(keys)})")
 
-    def export_param(self, name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+    def export_param(self, name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor | FusedPart]:
         name = canonical_name(name)
         if name == "lm_head.weight" and self.args.tie_word_embeddings:
             return {}
+        fused = export_gdn_part(name, tensor)
+        if fused is not None:
+            return fused
         self.hf_keys(name)  # rejects names that are not ours
         return {name: tensor}
 

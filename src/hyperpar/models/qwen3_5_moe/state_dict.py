@@ -21,7 +21,7 @@ from typing import Any, Callable
 import torch
 
 from hyperpar.errors import CheckpointError
-from hyperpar.models.qwen3_5.state_dict import Qwen3_5StateDictAdapter, canonical_name
+from hyperpar.models.qwen3_5.state_dict import Qwen3_5StateDictAdapter, canonical_name, export_gdn_part, load_gdn_part
 from hyperpar.models.qwen3_5_moe.args import Qwen3_5MoeArgs, Qwen3_5MoeVLArgs
 
 _PACKED = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
@@ -103,6 +103,9 @@ class Qwen3_5MoeVLStateDictAdapter:
 
     def load_param(self, name: str, read: Callable[[str], torch.Tensor]) -> torch.Tensor:
         name = canonical_name(name)
+        part = load_gdn_part(name, self.args.text, lambda fused: self.load_param(fused, read))
+        if part is not None:
+            return part
         keys = self.hf_keys(name)
         for key in keys:
             try:
@@ -117,6 +120,9 @@ class Qwen3_5MoeVLStateDictAdapter:
         name = canonical_name(name)
         if name == "lm_head.weight" and self.args.tie_word_embeddings:
             return {}
+        fused = export_gdn_part(name, tensor)
+        if fused is not None:
+            return fused
         self.hf_keys(name)  # rejects names that are not ours
         return {name: tensor}
 
