@@ -66,6 +66,7 @@ def main(cfg: DictConfig) -> float | None:
 
 def _task(cfg: DictConfig) -> float | None:
     from hyperpar.launch import run_job, under_torchrun, write_result
+    from hyperpar.parity.callback import check_attached
     from hyperpar.plan import make_plan
 
     hc = HydraConfig.get()
@@ -73,6 +74,10 @@ def _task(cfg: DictConfig) -> float | None:
     overrides = list(hc.overrides.task)
     multirun = hc.mode == RunMode.MULTIRUN
     rank0 = int(os.environ.get("RANK", 0)) == 0 or not under_torchrun()
+    try:  # outside the job's try: a parity sweep keeps going on job errors, this one must stop it
+        check_attached(cfg.parity, hc.callbacks)
+    except HyperparError as e:
+        _error(e)
     try:
         cfg = validate_schema(cfg)
         with_dir = OmegaConf.merge(cfg, {"run_dir": run_dir})

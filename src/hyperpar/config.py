@@ -31,7 +31,9 @@ class TrainConfig:
     max_grad_norm: float = 1.0  # <= 0 disables clipping
     mixed_precision: MixedPrecisionConfig = field(default_factory=MixedPrecisionConfig)
     activation_checkpoint: str = "none"  # none | full | selective
-    log_every: int = 1
+    log_every: int = 1  # console / progress-bar line every N steps; metrics.jsonl still gets every step
+    # torch.use_deterministic_algorithms (warn-only) + CUBLAS_WORKSPACE_CONFIG + no cuDNN autotuning:
+    # the same run repeats bitwise on GPU/NPU too, a little slower (CPU kernels are deterministic anyway).
     deterministic: bool = True
     # End the loop after this many optimizer steps without changing the schedule (which still spans
     # ``steps``): a run that stops early and resumes later follows the uninterrupted trajectory.
@@ -50,7 +52,7 @@ class ParallelConfig:
     ep: int = 1
     pp: int = 1
     vpp: int = 1
-    pp_schedule: str = "1F1B"  # GPipe | 1F1B | Interleaved1F1B
+    pp_schedule: str = "1F1B"  # gpipe | 1f1b | interleaved_1f1b | zero_bubble (case-insensitive; used when pp > 1)
 
 
 @dataclass
@@ -60,15 +62,16 @@ class ModelConfig:
     flavor: str = "debug"
     hf_path: Optional[str] = None  # HF directory (config.json + safetensors): geometry and weights
     load_weights: bool = True  # with hf_path: load its weights (false: geometry only, fresh init)
-    mtp_loss_weight: float = 0.0
-    default_data: str = "dummy"
+    mtp_loss_weight: float = 0.0  # > 0: train the MTP head (Qwen3.5-MoE families only)
+    default_data: Optional[str] = None  # the data.type that data=auto (the default) trains on; None: the family's
 
 
 @dataclass
 class DataConfig:
     _target_: str = "hyperpar.data.registry.build_dataset"
     type: str = "dummy"
-    # Fields used by some types only; unused ones are ignored by the type's builder.
+    # Fields used by some types only: a field changed from its default that the type does not read is
+    # rejected, and so is an extra key the type does not declare (hyperpar.data.registry).
     path: Optional[str] = None
     tokenizer: Optional[str] = None
     prefix: Optional[str] = None
@@ -76,7 +79,6 @@ class DataConfig:
     text_key: str = "text"
     pack: bool = True
     cache_dir: Optional[str] = None
-    num_workers: int = 0
     split: str = "train"  # hf/json: dataset split ("train", "train[:1000]"); megatron: train | valid | test
     shuffle: bool = True  # hf/json/preset: reshuffle the samples of every epoch with train.seed
     chat: Optional[bool] = None  # hf/json: chat template + assistant-only loss; None: when a messages column exists
@@ -115,6 +117,8 @@ class CheckpointConfig:
 class MetricsConfig:
     tensorboard: bool = False
     progress_bar: bool = True
+    # Peak dense FLOP/s per device in TFLOP/s for MFU; None: the device's known figure, else MFU is null.
+    peak_tflops: Optional[float] = None
 
 
 @dataclass

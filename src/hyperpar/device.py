@@ -24,6 +24,14 @@ def _npu_available() -> bool:
     return bool(torch.npu.is_available())
 
 
+# Dense (no sparsity) TFLOP/s from NVIDIA's datasheets: (name contains, bf16/fp16, TF32, FP32). More
+# specific names first ("H100 PCIe" before "H100", "L40S" before "L40").
+_CUDA_PEAK_TFLOPS = (
+    ("H200", 989, 494, 67), ("H100 PCIe", 756, 378, 51), ("H100", 989, 494, 67),
+    ("A100", 312, 156, 19.5), ("L40S", 362, 183, 91.6), ("L40", 181, 90.5, 90.5),
+)
+
+
 @dataclass(frozen=True)
 class DeviceInfo:
     type: str  # cpu | cuda | npu
@@ -45,12 +53,15 @@ class DeviceInfo:
             self.module.synchronize()
 
     def reset_peak_memory(self) -> None:
+        """Start a new peak-memory window (the trainer calls it at the start of every step)."""
         if self.type != "cpu":
             self.module.reset_peak_memory_stats()
         else:
             _cpu_peak.reset()
 
-    def peak_memory_mb(self) -> float:
+    def peak_memory_mb(self) -> float | None:
+        """Peak memory since :meth:`reset_peak_memory`: the allocator's high-water mark on GPU/NPU; on CPU
+        the process's peak resident set size (VmHWM) over the window, None where Linux cannot reset it."""
         if self.type != "cpu":
             return self.module.max_memory_allocated() / 2**20
         return _cpu_peak.peak_mb()
@@ -65,39 +76,68 @@ class DeviceInfo:
         np.random.seed(seed % 2**32)
         torch.manual_seed(seed)  # also seeds cuda / npu generators
 
-    def peak_flops(self, dtype: torch.dtype) -> float:
-        """Peak dense matmul FLOP/s for MFU; overridable with HYPERPAR_PEAK_TFLOPS."""
-        env = os.environ.get("HYPERPAR_PEAK_TFLOPS")
-        if env:
-            return float(env) * 1e12
+    def peak_flops(self, dtype: torch.dtype, tflops: float | None = None) -> float | None:
+        """Peak dense matmul FLOP/s of one device for MFU: ``tflops`` (metrics.peak_tflops) when set, else
+        the datasheet figure of a known accelerator, else None (MFU is then reported as null)."""
+        if tflops is not None:
+            if tflops <= 0:
+                raise ConfigError(f"metrics.peak_tflops={tflops} must be > 0", hint="the device's peak dense TFLOP/s, or null")
+            return float(tflops) * 1e12
+        fp32 = dtype == torch.float32
         if self.type == "cuda":
             name = torch.cuda.get_device_name(0)
-            for key, tflops in (("H200", 989), ("H100", 989), ("A100", 312), ("L40", 181)):
+            # fp32 matmuls run on tensor cores (TF32) only when float32_matmul_precision allows it.
+            tf32 = torch.get_float32_matmul_precision() != "highest"
+            for key, half, tf32_peak, fp32_peak in _CUDA_PEAK_TFLOPS:
                 if key in name:
-                    return (tflops if dtype != torch.float32 else tflops / 2 if key != "A100" else 19.5) * 1e12
-            return 100e12
+                    return (half if not fp32 else tf32_peak if tf32 else fp32_peak) * 1e12
+            return None
         if self.type == "npu":
-            return 313e12 if dtype != torch.float32 else 78e12
-        # CPU: measured on the reference 2-core machine (PERF_NOTES): ~215 fp32 / ~910 bf16 GFLOP/s.
-        return 910e9 if dtype == torch.bfloat16 else 215e9
+            return (78 if fp32 else 313) * 1e12  # Ascend 910B datasheet
+        return None  # a CPU's peak depends on its cores, vector units and clocks: set metrics.peak_tflops
 
 
 class _CpuPeak:
-    """Peak resident set size of this process; CPU has no allocator statistics like CUDA's."""
+    """Per-step peak RSS on Linux: writing "5" to /proc/self/clear_refs resets the kernel's high-water
+    mark (VmHWM) to the current RSS, so VmHWM read later is the peak since the reset. CPU tensors have
+    no allocator statistics like CUDA's; RSS also counts the interpreter and libraries (a few hundred MB)."""
 
     def __init__(self) -> None:
-        self._base = 0.0
+        self._window = False  # a reset succeeded, so VmHWM describes the current window
 
     def reset(self) -> None:
-        self._base = 0.0
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            self._window = True
+        except OSError:  # not Linux, or a kernel/container that forbids it: no per-step figure
+            self._window = False
 
-    def peak_mb(self) -> float:
-        import resource
-
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+    def peak_mb(self) -> float | None:
+        if not self._window:
+            return None
+        try:
+            with open("/proc/self/status") as f:
+                for line in f:
+                    if line.startswith("VmHWM:"):
+                        return int(line.split()[1]) / 1024.0  # kB
+        except OSError:
+            pass
+        return None
 
 
 _cpu_peak = _CpuPeak()
+
+
+def set_deterministic(enabled: bool) -> None:
+    """train.deterministic: deterministic kernels where PyTorch has them (a warning names an op that has
+    none), cuBLAS's fixed workspace, no cuDNN autotuning. CUBLAS_WORKSPACE_CONFIG must be set before the
+    first cuBLAS call, so the worker calls this before it builds anything on the device."""
+    if enabled:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(enabled, warn_only=True)
+    torch.backends.cudnn.benchmark = not enabled
+    torch.backends.cudnn.deterministic = enabled
 
 
 def resolve_device(name: str = "auto") -> DeviceInfo:

@@ -76,13 +76,14 @@ def worker_main(cfg: DictConfig, run_dir: str) -> dict[str, Any]:
 
     from hyperpar.data.loader import DistributedBatchLoader
     from hyperpar.data.registry import DataContext
-    from hyperpar.device import resolve_device
+    from hyperpar.device import resolve_device, set_deterministic
     from hyperpar.distributed.materialize import materialize
     from hyperpar.train.metrics import MetricsWriter, setup_rank_logging
 
     rank, world, local_rank, local_world = env_rank()
     setup_rank_logging(run_dir, rank, console=rank == 0)
     torch.set_num_threads(_threads_for(local_world, cfg.launch.threads_per_rank))
+    set_deterministic(bool(cfg.train.deterministic))  # before the first kernel on the device
     dev = resolve_device(cfg.device)
     dev.set_device(local_rank)
     device = dev.device(local_rank)
@@ -106,7 +107,7 @@ def worker_main(cfg: DictConfig, run_dir: str) -> dict[str, Any]:
         t = cfg.train
         ctx = DataContext(seq_len=t.seq_len, seed=t.seed, num_samples=t.steps * t.global_batch_size,
                           vocab_size=builder.args.vocab_size if hasattr(builder.args, "vocab_size") else builder.args.text.vocab_size,
-                          model_args=builder.args, default_type=builder.spec.default_data, run_dir=run_dir)
+                          model_args=builder.args, default_type=cfg.model.default_data or builder.spec.default_data, run_dir=run_dir)
         dataset = instantiate(cfg.data, _partial_=True, _convert_="all")(context=ctx)
         dp_mesh = pdims.submesh("dp")
         loader = DistributedBatchLoader(dataset, global_batch_size=t.global_batch_size, micro_batch_size=t.micro_batch_size,
@@ -118,14 +119,14 @@ def worker_main(cfg: DictConfig, run_dir: str) -> dict[str, Any]:
         trainer = instantiate(cfg.trainer, _partial_=True)(
             model=model, optimizer=optimizer, scheduler=scheduler, loader=loader, parallel_dims=pdims,
             device_info=dev, device=device, run_dir=run_dir, steps=t.steps, max_grad_norm=t.max_grad_norm,
-            flops_per_token=seq_flops, peak_flops=dev.peak_flops(torch.float32 if t.mixed_precision.param_dtype == "float32" else torch.bfloat16),
+            flops_per_token=seq_flops, peak_flops=dev.peak_flops(torch.float32 if t.mixed_precision.param_dtype == "float32" else torch.bfloat16, cfg.metrics.peak_tflops),
             rank=rank, metrics=None, checkpointer=checkpointer, stop_after_steps=t.stop_after_steps, preemption=preemption,
             mtp_loss_weight=cfg.model.mtp_loss_weight,
         )
         checkpointer.resume(trainer)
         # metrics.jsonl is appended to: a resumed run continues its file (readers keep the last record per step).
         metrics = MetricsWriter(run_dir, rank=rank, total_steps=t.steps, start_step=trainer.step,
-                                progress_bar=cfg.metrics.progress_bar, tensorboard=cfg.metrics.tensorboard)
+                                progress_bar=cfg.metrics.progress_bar, tensorboard=cfg.metrics.tensorboard, log_every=t.log_every)
         trainer.metrics = metrics
         try:
             result = trainer.fit()

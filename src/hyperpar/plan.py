@@ -13,7 +13,7 @@ from torch import nn
 
 from hyperpar.config import dtype_of
 from hyperpar.distributed.parallel_dims import ParallelDims
-from hyperpar.errors import PlanError
+from hyperpar.errors import ConfigError, PlanError
 
 
 @dataclass
@@ -64,13 +64,35 @@ def _block_sizes(model: nn.Module):
                 yield sum(p.numel() for p in block.parameters())
 
 
-def check_data_type(name: str) -> None:
-    """An unknown data.type fails in the driver, before any worker starts."""
-    from hyperpar.data.registry import available
-    from hyperpar.errors import ConfigError
+def check_data(data_cfg: DictConfig, default_type: str) -> None:
+    """An unknown data.type, or a data field / extra key the type would ignore, fails in the driver."""
+    from omegaconf import OmegaConf
 
-    if name != "auto" and name not in available():
-        raise ConfigError(f"unknown data.type '{name}'", hint=f"available: {', '.join(available())}")
+    from hyperpar.data.registry import check_options, resolve_type
+
+    options = OmegaConf.to_container(data_cfg, resolve=True)
+    check_options(resolve_type(data_cfg.type, default_type), options)
+
+
+# torch.distributed.pipelining schedules the pipeline will drive (ScheduleGPipe, Schedule1F1B,
+# ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble).
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
+
+
+def check_pp_schedule(name: str) -> str:
+    """The canonical schedule name for ``parallel.pp_schedule`` (case and ``-``/``_`` ignored)."""
+    key = name.lower().replace("-", "").replace("_", "")
+    for canonical in PP_SCHEDULES:
+        if canonical.replace("_", "") == key:
+            return canonical
+    raise ConfigError(f"parallel.pp_schedule='{name}' is not a pipeline schedule", hint=f"use one of {', '.join(PP_SCHEDULES)}")
+
+
+def check_mtp(weight: float, model_name: str, args: object) -> None:
+    """model.mtp_loss_weight > 0 needs a family with an MTP module (its args carry the weight)."""
+    if weight > 0 and not hasattr(args, "mtp_loss_weight"):
+        raise ConfigError(f"model.mtp_loss_weight={weight} but model={model_name} has no MTP module",
+                          hint="the Qwen3.5-MoE families have one: qwen3_5_moe, qwen3_5_moe_vl; else set model.mtp_loss_weight=0")
 
 
 def make_plan(cfg: DictConfig, *, strict: bool = True) -> Plan:
@@ -78,8 +100,10 @@ def make_plan(cfg: DictConfig, *, strict: bool = True) -> Plan:
     from hyperpar.config import build as instantiate
 
     pdims: ParallelDims = instantiate(cfg.parallel)
+    check_pp_schedule(cfg.parallel.pp_schedule)
     builder = instantiate(cfg.model)
-    check_data_type(cfg.data.type)
+    check_mtp(float(cfg.model.mtp_loss_weight), cfg.model.name, builder.args)
+    check_data(cfg.data, cfg.model.default_data or builder.spec.default_data)
     t = cfg.train
     problems: list[str] = []
     for check in (pdims.check_supported,

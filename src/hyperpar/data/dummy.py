@@ -41,7 +41,7 @@ class DummyTextSource:
         return {"input_ids": seq[:-1].clone(), "labels": seq[1:].clone()}
 
 
-@register_dataset("dummy")
+@register_dataset("dummy", extra=("noise",))
 def build_dummy(options: dict, ctx: DataContext) -> DummyTextSource:
     extra = options.get("extra") or {}
     return DummyTextSource(seq_len=ctx.seq_len, vocab_size=ctx.vocab_size, seed=ctx.seed,

@@ -521,11 +521,16 @@ def build_text_source(options: dict[str, Any], ctx: DataContext, *, default_form
     return source
 
 
-@register_dataset("hf")
+# What build_text_source reads (hf and json alike).
+_TEXT_FIELDS = ("path", "tokenizer", "format", "split", "text_key", "pack", "shuffle", "chat", "max_samples", "cache_dir")
+_TEXT_EXTRA = ("name", "revision", "messages_key", "add_eos", "add_special_tokens")
+
+
+@register_dataset("hf", fields=_TEXT_FIELDS, extra=_TEXT_EXTRA)
 def build_hf(options: dict, ctx: DataContext) -> TokenizedTextSource:
     return build_text_source(options, ctx)
 
 
-@register_dataset("json")
+@register_dataset("json", fields=_TEXT_FIELDS, extra=_TEXT_EXTRA)
 def build_json(options: dict, ctx: DataContext) -> TokenizedTextSource:
     return build_text_source(options, ctx, default_format="json")

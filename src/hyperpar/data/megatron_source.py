@@ -54,7 +54,8 @@ def _is_number(word: str) -> bool:
     return True
 
 
-@register_dataset("megatron")
+@register_dataset("megatron", fields=("prefix", "blend", "split", "tokenizer", "cache_dir"),
+                  extra=("split", "eod_token_id", "reset_position_ids", "reset_attention_mask", "eod_mask_loss", "blend_schedule"))
 def build_megatron(options: dict, ctx: DataContext) -> Any:
     from hyperpar.data.megatron import SCHEDULES, MegatronSource
 

@@ -335,7 +335,8 @@ class PresetSource:
         return self.shards[k].sample(r - self._starts[k], self.seq_len, self.pad_id)
 
 
-@register_dataset("preset")
+@register_dataset("preset", fields=("path", "shuffle", "max_samples"),
+                  extra=("labels_shifted", "pad_token_id", "spatial_merge_size", "image_token_id", "video_token_id"))
 def build_preset(options: dict, ctx: DataContext) -> PresetSource:
     extra = options.get("extra") or {}
     merge = int(_vision_setting(ctx, extra, "spatial_merge_size", 2))

@@ -186,7 +186,8 @@ class VLDummySource:
         return {"input_ids": seq[:-1].clone(), "labels": labels, "mm_token_type_ids": tt[:-1].clone(), **out}
 
 
-@register_dataset("vl_dummy")
+@register_dataset("vl_dummy", extra=("video_fraction", "text_fraction", "max_blocks", "max_frames", "num_classes",
+                                        "noise", "text_vocab"))
 def build_vl_dummy(options: dict, ctx: DataContext) -> VLDummySource:
     args = ctx.model_args
     needed = ("patch_size", "temporal_patch_size", "spatial_merge_size", "image_token_id", "video_token_id",

@@ -48,6 +48,26 @@ def step_tolerance(value: Any) -> StepTolerance:
     )
 
 
+def check_attached(parity_cfg: DictConfig, callbacks: Any) -> None:
+    """parity.* settings act only through this callback, which ``+experiment=parity`` registers: a
+    setting changed without it would do nothing, so it is a ConfigError."""
+    import dataclasses
+
+    from hyperpar.config import ParityConfig
+    from hyperpar.errors import ConfigError
+
+    targets = [str(OmegaConf.select(c, "_target_", default="")) for c in (callbacks or {}).values()]
+    if any(t.endswith(".ParityCallback") for t in targets):
+        return
+    for f in dataclasses.fields(ParityConfig):
+        value = parity_cfg.get(f.name, f.default)
+        if value != f.default:
+            shown = str(value).lower() if isinstance(value, bool) else value
+            raise ConfigError(f"parity.{f.name}={shown} has no effect without the parity report callback",
+                              hint="add +experiment=parity, which registers it: python -m hyperpar -m "
+                                   "parallel=single,fsdp2 +experiment=parity")
+
+
 class ParityCallback(Callback):
     """Compare the sweep's jobs with the 1-process job; SystemExit(1) when parity fails.
 

@@ -1,5 +1,5 @@
-"""Per-step metrics: metrics.jsonl (rank 0, flushed every step so a crash loses nothing), a tqdm bar,
-optional TensorBoard, and per-rank log files."""
+"""Per-step metrics: metrics.jsonl (rank 0, every step, flushed so a crash loses nothing), a tqdm bar
+or a log line every ``train.log_every`` steps, optional TensorBoard (every step), and per-rank log files."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ import os
 import sys
 from pathlib import Path
 from typing import Any
+
+from hyperpar.errors import ConfigError
 
 log = logging.getLogger("hyperpar")
 
@@ -36,8 +38,13 @@ def setup_rank_logging(run_dir: str | Path, rank: int, *, console: bool) -> None
 
 class MetricsWriter:
     def __init__(self, run_dir: str | Path, *, rank: int, total_steps: int, start_step: int = 0,
-                 progress_bar: bool = True, tensorboard: bool = False) -> None:
+                 progress_bar: bool = True, tensorboard: bool = False, log_every: int = 1) -> None:
+        if log_every < 1:
+            raise ConfigError(f"train.log_every={log_every} must be >= 1", hint="1 shows every step")
         self.rank = rank
+        self.log_every = int(log_every)
+        self.total_steps = total_steps
+        self._unshown = 0  # steps written but not yet counted on the bar
         self.active = rank == 0
         self.run_dir = Path(run_dir)
         self._file = None
@@ -66,15 +73,21 @@ class MetricsWriter:
             for k, v in record.items():
                 if k != "step" and isinstance(v, (int, float)) and math.isfinite(v):
                     self._tb.add_scalar(f"train/{k}", v, record["step"])
+        self._unshown += 1
+        step = record["step"]
+        if step % self.log_every != 0 and step != self.total_steps:
+            return
         if self._bar is not None:
             self._bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}", refresh=False)
-            self._bar.update(1)
+            self._bar.update(self._unshown)
         else:
             log.info("step %d loss %.6f grad_norm %.4f lr %.3g tok/s %.0f", record["step"], record["loss"],
                      record["grad_norm"], record["lr"], record["tokens_per_s"])
+        self._unshown = 0
 
     def close(self) -> None:
         if self._bar is not None:
+            self._bar.update(self._unshown)  # a run that stopped early between two shown steps
             self._bar.close()
         if self._tb is not None:
             self._tb.close()

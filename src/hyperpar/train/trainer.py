@@ -39,7 +39,7 @@ class Trainer:
         steps: int,
         max_grad_norm: float,
         flops_per_token: float,
-        peak_flops: float,
+        peak_flops: float | None,
         rank: int,
         metrics: MetricsWriter | None = None,
         checkpointer: Any = None,
@@ -140,7 +140,7 @@ class Trainer:
         self.samples_seen += self.loader.global_batch_size
         tps = tokens / dt
         world = self.pdims.world_size
-        mfu = self.flops_per_token * tps / (self.peak_flops * world) if self.peak_flops else 0.0
+        mfu = self.flops_per_token * tps / (self.peak_flops * world) if self.peak_flops else None  # unknown peak
         return {
             "step": self.step,
             "loss": loss,
