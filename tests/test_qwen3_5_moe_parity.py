@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 from fixtures import qwen3_5_moe as tiny
 from fixtures import qwen3_5_moe_vl
 from hyperpar.errors import ConfigError
-from helpers import hf_named_grads
+from helpers import hf_named_grads, perturb_
 from hyperpar.models import from_hf, to_hf
 from hyperpar.models.hf_io import hf_state_dict
 from hyperpar.models.output import ModelOutput
@@ -372,7 +372,7 @@ def test_35b_flavour_builds_on_meta() -> None:
         m = Qwen3_5MoeForCausalLM(args)
     n = sum(p.numel() for name, p in m.named_parameters() if not name.startswith("mtp."))
     assert 34e9 <= n <= 36e9
-    assert m.model.layers["0"].mlp.experts.gate_up_proj.shape == (256, 1024, 2048)
+    assert m.model.layers["0"].mlp.experts.gate_proj.shape == (256, 512, 2048)
     assert m.model.layers["0"].mlp.experts.down_proj.shape == (256, 2048, 512)
     assert args.layer_types[3] == "full_attention" and args.mtp_num_hidden_layers == 1
     # active parameters: ~3B of 35B
@@ -429,16 +429,7 @@ def make_hf_vl(cfg: dict = TINY_VL, seed: int = 0):
     from transformers import Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration
 
     torch.manual_seed(seed)
-    model = Qwen3_5MoeForConditionalGeneration(Qwen3_5MoeConfig(**copy.deepcopy(cfg))).float().train()
-    gen = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=gen) * 0.3
-            if "visual" in name and "norm" in name:
-                p.copy_((1.0 if name.endswith("weight") else 0.0) + noise)  # LayerNorm: perturb around (1, 0)
-            elif "norm" in name or "A_log" in name or "dt_bias" in name or name.endswith("mlp.gate.weight"):
-                p.copy_(noise)
-    return model
+    return perturb_(Qwen3_5MoeForConditionalGeneration(Qwen3_5MoeConfig(**copy.deepcopy(cfg))).float().train(), seed + 1)
 
 
 def vl_from_hf(hf, cfg: dict = TINY_VL, **changes):

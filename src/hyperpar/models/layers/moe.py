@@ -1,11 +1,12 @@
 """Mixture of experts (MODELS.md 6): top-k router, packed experts run as grouped GEMMs, optional
 sigmoid-gated shared expert, and the router statistics the load-balancing loss is made of.
 
-Layout: ``experts.gate_up_proj`` (E, 2·Ie, H) with rows [gate Ie; up Ie] and ``experts.down_proj``
-(E, H, Ie) — transformers' in-memory layout, which is also the fastest one measured on CPU (the
-grouped GEMM reads the transposed view at no cost), so checkpoints load without conversion.
+Layout: ``experts.gate_proj`` / ``experts.up_proj`` (E, Ie, H) and ``experts.down_proj`` (E, H, Ie).
+Checkpoints fuse gate and up (``gate_up_proj`` (E, 2·Ie, H), rows [gate; up]); here they are two
+parameters so tensor parallelism can shard both halves on Ie with a plain split (the adapters fuse
+and unfuse them). The grouped GEMM reads the transposed (E, H, ·) views at no cost.
 
-Expert compute sits behind one function, ``experts_forward(x_sorted, counts, w_gate_up, w_down)``:
+Expert compute sits behind one function, ``experts_forward(x_sorted, counts, w_gate, w_up, w_down)``:
 rows arrive sorted by expert with a row count per expert, which is what an expert-parallel
 all-to-all produces, so expert parallelism can wrap ``GroupedExperts`` (or that function) without
 touching the router or the combine.
@@ -30,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hyperpar.models.layers.local import local
 from hyperpar.models.layers.mlp import SwiGLUMLP
 
 __all__ = [
@@ -171,7 +173,7 @@ def _aligned(*sizes_in_bytes: int) -> bool:
     return all(s % 16 == 0 for s in sizes_in_bytes)
 
 
-def grouped_mm_supported(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> bool:
+def grouped_mm_supported(x: torch.Tensor, w_gate: torch.Tensor, w_down: torch.Tensor) -> bool:
     """Whether ``torch._grouped_mm`` can run this expert MLP here.
 
     CPU: fp32 and bf16, forward and backward (a loop of mm per expert inside the kernel). CUDA: bf16
@@ -181,7 +183,7 @@ def grouped_mm_supported(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch
     if not hasattr(torch, "_grouped_mm"):
         return False
     dev = x.device.type
-    dtype = w_gate_up.dtype
+    dtype = w_gate.dtype
     if x.dtype != dtype or w_down.dtype != dtype:
         return False
     if dev == "cpu":
@@ -192,7 +194,7 @@ def grouped_mm_supported(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch
         return False
     e = x.element_size()
     H, Ie = w_down.shape[1], w_down.shape[2]
-    return ok_dtype and _aligned(H * e, Ie * e, 2 * Ie * e)
+    return ok_dtype and _aligned(H * e, Ie * e)
 
 
 class _GroupedLinear(torch.autograd.Function):
@@ -253,7 +255,8 @@ class _LoopLinear(torch.autograd.Function):
 def experts_forward(
     x: torch.Tensor,
     counts: torch.Tensor,
-    w_gate_up: torch.Tensor,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
     w_down: torch.Tensor,
     *,
     impl: str = "auto",
@@ -261,14 +264,14 @@ def experts_forward(
     """SwiGLU experts on rows sorted by expert.
 
     x (N, H), rows of expert 0 first, then expert 1, …; counts (E,) integer rows per expert
-    (Σ = N, zeros allowed); w_gate_up (E, 2·Ie, H) rows [gate; up]; w_down (E, H, Ie).
+    (Σ = N, zeros allowed); w_gate, w_up (E, Ie, H); w_down (E, H, Ie).
     Returns (N, H) in x's row order: ``down[e] · (silu(gate[e]·x) ⊙ up[e]·x)``.
     impl: "grouped" (``torch._grouped_mm``), "loop" (one mm per non-empty expert) or "auto".
     """
     if impl == "auto":
-        impl = "grouped" if grouped_mm_supported(x, w_gate_up, w_down) else "loop"
-    if x.dtype != w_gate_up.dtype:  # e.g. fp32 activations reaching bf16 expert weights
-        x = x.to(w_gate_up.dtype)
+        impl = "grouped" if grouped_mm_supported(x, w_gate, w_down) else "loop"
+    if x.dtype != w_gate.dtype:  # e.g. fp32 activations reaching bf16 expert weights
+        x = x.to(w_gate.dtype)
     if impl == "grouped":
         offs = torch.cumsum(counts, 0, dtype=torch.int32)
 
@@ -283,29 +286,31 @@ def experts_forward(
 
     else:
         raise ValueError(f"unknown experts impl '{impl}' (grouped | loop | auto)")
-    Ie = w_down.shape[-1]
-    gate_up = linear(x, w_gate_up)  # (N, 2·Ie)
-    h = F.silu(gate_up[:, :Ie]) * gate_up[:, Ie:]
+    h = F.silu(linear(x, w_gate)) * linear(x, w_up)  # (N, Ie)
     return linear(h, w_down)
 
 
 class GroupedExperts(nn.Module):
-    """``mlp.experts``: E SwiGLU experts packed as 3-D parameters (no ``.weight`` suffix, HF names)."""
+    """``mlp.experts``: E SwiGLU experts packed as 3-D parameters (no ``.weight`` suffix).
+
+    Sharded parameters (tensor parallelism splits Ie) are used through their local shards."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, *, impl: str = "auto") -> None:
         super().__init__()
         self.num_experts = num_experts
         self.impl = impl
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
+        self.gate_proj = nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size))
+        self.up_proj = nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
 
     def forward(self, x_sorted: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x_sorted (N, H) grouped by expert, counts (E,) rows per expert → (N, H)."""
-        return experts_forward(x_sorted, counts, self.gate_up_proj, self.down_proj, impl=self.impl)
+        return experts_forward(x_sorted, counts, local(self.gate_proj), local(self.up_proj), local(self.down_proj),
+                               impl=self.impl)
 
     def extra_repr(self) -> str:
-        E, two_ie, H = self.gate_up_proj.shape
-        return f"experts={E}, hidden={H}, intermediate={two_ie // 2}, impl={self.impl}"
+        E, ie, H = self.gate_proj.shape
+        return f"experts={E}, hidden={H}, intermediate={ie}, impl={self.impl}"
 
 
 # --- dispatch / combine -------------------------------------------------------------------------

@@ -21,10 +21,10 @@ from typing import Any, Callable
 import torch
 
 from hyperpar.errors import CheckpointError
+from hyperpar.models.experts_io import expert_part, export_expert_part, read_expert_part
+from hyperpar.models.fused import FusedPart
 from hyperpar.models.qwen3_5.state_dict import Qwen3_5StateDictAdapter, canonical_name, export_gdn_part, load_gdn_part
 from hyperpar.models.qwen3_5_moe.args import Qwen3_5MoeArgs, Qwen3_5MoeVLArgs
-
-_PACKED = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 
 
 class Qwen3_5MoeStateDictAdapter(Qwen3_5StateDictAdapter):
@@ -39,44 +39,32 @@ class Qwen3_5MoeStateDictAdapter(Qwen3_5StateDictAdapter):
             return [name]
         return super().hf_keys(name)
 
-    def _expected_shape(self, name: str) -> tuple[int, int, int]:
+    def load_experts(self, name: str, read: Callable[[str], torch.Tensor]):
+        """Our expert parameter ``name`` from any of its checkpoint prefixes and forms, or None when
+        ``name`` is not an expert parameter."""
+        part = expert_part(name)
+        if part is None:
+            return None
+        base, leaf = part
         a = self.args
-        E, H, Ie = a.num_experts, a.hidden_size, a.moe_intermediate_size
-        return (E, 2 * Ie, H) if name.endswith("gate_up_proj") else (E, H, Ie)
-
-    def _read_experts(self, name: str, key: str, read: Callable[[str], torch.Tensor]) -> torch.Tensor:
-        """The packed tensor for checkpoint key ``key`` (packed, transposed-packed or per-expert)."""
-        want = self._expected_shape(name)
-        try:
-            t = read(key)
-        except KeyError:
-            base = key.rsplit(".", 1)[0]  # …mlp.experts
-            E = self.args.num_experts
-            if key.endswith("gate_up_proj"):
-                per = [torch.cat([read(f"{base}.{e}.gate_proj.weight"), read(f"{base}.{e}.up_proj.weight")], 0) for e in range(E)]
-            else:
-                per = [read(f"{base}.{e}.down_proj.weight") for e in range(E)]
-            return torch.stack(per)
-        if tuple(t.shape) != want and t.dim() == 3 and (t.shape[0], t.shape[2], t.shape[1]) == want:
-            t = t.transpose(1, 2)  # legacy (E, in, out) packing
-        return t.contiguous()
+        bases = [k.removesuffix(".down_proj") for k in self.hf_keys(base + ".down_proj")]
+        for kb in bases:
+            try:
+                return read_expert_part(kb, leaf, read, E=a.num_experts, H=a.hidden_size, Ie=a.moe_intermediate_size)
+            except KeyError:
+                continue
+        raise CheckpointError(f"checkpoint has no tensor for '{name}' (tried {', '.join(bases)}: packed and per-expert forms)")
 
     def load_param(self, name: str, read: Callable[[str], torch.Tensor]) -> torch.Tensor:
         cname = canonical_name(name)
-        if not cname.endswith(_PACKED):
-            return super().load_param(cname, read)
-        keys = self.hf_keys(cname)
-        for key in keys:
-            try:
-                return self._read_experts(cname, key, read)
-            except KeyError:
-                continue
-        raise CheckpointError(
-            f"checkpoint has no tensor for '{cname}' (tried {', '.join(keys)}, packed and per-expert forms)"
-        )
+        experts = self.load_experts(cname, read)
+        return experts if experts is not None else super().load_param(cname, read)
 
-    def export_param(self, name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+    def export_param(self, name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor | FusedPart]:
         name = canonical_name(name)
+        part = expert_part(name)
+        if part is not None:
+            return export_expert_part(*part, tensor)
         if name.startswith("mtp."):
             return {name: tensor}
         return super().export_param(name, tensor)
@@ -106,11 +94,12 @@ class Qwen3_5MoeVLStateDictAdapter:
         part = load_gdn_part(name, self.args.text, lambda fused: self.load_param(fused, read))
         if part is not None:
             return part
+        experts = self._text.load_experts(name, read)
+        if experts is not None:
+            return experts
         keys = self.hf_keys(name)
         for key in keys:
             try:
-                if name.endswith(_PACKED):
-                    return self._text._read_experts(name, key, read)
                 return read(key)
             except KeyError:
                 continue
@@ -123,6 +112,9 @@ class Qwen3_5MoeVLStateDictAdapter:
         fused = export_gdn_part(name, tensor)
         if fused is not None:
             return fused
+        part = expert_part(name)
+        if part is not None:
+            return export_expert_part(*part, tensor)
         self.hf_keys(name)  # rejects names that are not ours
         return {name: tensor}
 

@@ -1,0 +1,296 @@
+"""Tensor (+ sequence) parallelism: the layer plans every family's ``parallelize.py`` composes.
+
+Built on PyTorch's own engine (``parallelize_module`` with ``ColwiseParallel`` / ``RowwiseParallel`` /
+``SequenceParallel`` / ``PrepareModuleInput(Output)``, and ``loss_parallel`` in the objective). The
+few styles PyTorch has no equivalent for are here, each a small ``ParallelStyle``:
+
+- ``HeadShardedNorm``: a norm whose weight every head shares (q/k norms, the GatedDeltaNet output
+  norm) applied to head-sharded activations. It runs on DTensors sharded over the head dim, so the
+  weight gradient comes out Partial (each rank saw only its heads) and FSDP reduces it over tp.
+- ``ReplicatedKV``: k/v projections when there are fewer KV heads than tp ranks: every rank holds
+  the full weight and keeps the KV head its query heads read; gradients are Partial and summed.
+- ``ExpertTensorParallel``: routed experts sharded on their intermediate dim; replicated tokens in,
+  partial outputs all-reduced before the routing weights combine them (so the router, its aux loss
+  and the shared-expert gate stay plain replicated computations with identical gradients).
+- ``FullSequence``: a module that needs the whole sequence (DeepStack injection, the MTP head) gets
+  plain full tensors under sequence parallelism and hands DTensors back.
+
+Residual stream: sequence-sharded ``Shard(1)`` between blocks with ``sequence_parallel`` (norms run
+on the shard), replicated without. Each mixer / FFN all-gathers its input once and reduce-scatters
+(or all-reduces) its output once.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+)
+from torch.distributed.tensor.parallel.style import ParallelStyle
+
+
+def _replicate_params(module: nn.Module, mesh: DeviceMesh) -> None:
+    for name, p in list(module.named_parameters(recurse=False)):
+        module.register_parameter(name, nn.Parameter(distribute_tensor(p, mesh, [Replicate()]), p.requires_grad))
+
+
+def shard_params(module: nn.Module, mesh: DeviceMesh, dims: dict[str, int]) -> None:
+    """Turn ``module``'s own parameters ``name -> dim`` into DTensors sharded on ``dim`` (used by
+    kernels through ``layers.local``)."""
+    for name, dim in dims.items():
+        p = getattr(module, name)
+        module.register_parameter(name, nn.Parameter(distribute_tensor(p, mesh, [Shard(dim)]), p.requires_grad))
+
+
+class ShardParams(ParallelStyle):
+    """Shard the module's own parameters (``name -> dim``); inputs and outputs untouched."""
+
+    def __init__(self, dims: dict[str, int]) -> None:
+        super().__init__()
+        self.dims = dict(dims)
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        shard_params(module, device_mesh, self.dims)
+        return module
+
+
+class HeadShardedNorm(ParallelStyle):
+    """A norm applied per head to head-sharded local activations (B, S, heads_local, d), every input
+    of the forward sharded the same way. The weight is replicated."""
+
+    def __init__(self, head_dim: int = 2) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        dim = self.head_dim
+
+        def partition(name: str, mod: nn.Module, mesh: DeviceMesh) -> None:
+            if mod is module:
+                _replicate_params(mod, mesh)
+
+        def input_fn(mod: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
+            return tuple(DTensor.from_local(x, mesh, [Shard(dim)], run_check=False) if isinstance(x, torch.Tensor) else x
+                         for x in inputs)
+
+        def output_fn(mod: nn.Module, out: DTensor, mesh: DeviceMesh) -> torch.Tensor:
+            return out.to_local()
+
+        return distribute_module(module, device_mesh, partition, input_fn, output_fn)
+
+
+class ReplicatedKV(ParallelStyle):
+    """k_proj / v_proj with ``num_kv_heads`` < tp (tp a multiple of it): the weight is replicated,
+    rank r computes all KV heads and keeps head ``r // (tp / num_kv_heads)``, the one its query
+    heads read. The kept slice's gradient is this rank's share of the full gradient (Partial)."""
+
+    def __init__(self, num_kv_heads: int, head_dim: int) -> None:
+        super().__init__()
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        tp = device_mesh.size()
+        if tp % self.num_kv_heads:
+            raise ValueError(f"tp {tp} is not a multiple of the {self.num_kv_heads} KV heads")
+        head = device_mesh.get_local_rank() // (tp // self.num_kv_heads)
+        hd = self.head_dim
+
+        def partition(name: str, mod: nn.Module, mesh: DeviceMesh) -> None:
+            if mod is module:
+                _replicate_params(mod, mesh)
+
+        def input_fn(mod: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
+            x = inputs[0]
+            if not isinstance(x, DTensor):
+                x = DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+            elif x.placements != (Replicate(),):
+                x = x.redistribute(mesh, [Replicate()])
+            return (x, *inputs[1:])
+
+        def output_fn(mod: nn.Module, out: DTensor, mesh: DeviceMesh) -> torch.Tensor:
+            return out.to_local(grad_placements=[Partial()])[..., head * hd : (head + 1) * hd]
+
+        return distribute_module(module, device_mesh, partition, input_fn, output_fn)
+
+
+def _grad_all_reduce(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """Identity forward; the backward sums the (partial) gradient over the mesh."""
+    return DTensor.from_local(x, mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
+
+
+def _all_reduce(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """Sum of every rank's partial ``x``; the backward hands each rank the full gradient."""
+    return DTensor.from_local(x, mesh, [Partial()], run_check=False).redistribute(mesh, [Replicate()]).to_local()
+
+
+class ExpertTensorParallel(ParallelStyle):
+    """``GroupedExperts`` (gate_proj, up_proj (E, Ie, H); down_proj (E, H, Ie)) sharded on Ie.
+
+    forward(x_sorted, counts): the tokens are replicated on every tp rank; each rank runs its slice
+    of every expert's intermediate dim, and the partial outputs (T·k, H) are all-reduced. Costs one
+    all-reduce of the dispatched rows (k times the tokens) per MoE layer and direction."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def partition(name: str, mod: nn.Module, mesh: DeviceMesh) -> None:
+            if mod is module:
+                shard_params(mod, mesh, {"gate_proj": 1, "up_proj": 1, "down_proj": 2})
+
+        def input_fn(mod: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
+            return (_grad_all_reduce(inputs[0], mesh), *inputs[1:])
+
+        def output_fn(mod: nn.Module, out: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+            return _all_reduce(out, mesh)
+
+        return distribute_module(module, device_mesh, partition, input_fn, output_fn)
+
+
+class FullSequence(ParallelStyle):
+    """The module sees plain full tensors: DTensor inputs (sequence-sharded or replicated) are
+    gathered; the output is handed back as a replicated DTensor (``as_dtensor``) or plain."""
+
+    def __init__(self, *, as_dtensor: bool = False) -> None:
+        super().__init__()
+        self.as_dtensor = as_dtensor
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def input_fn(mod: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
+            return tuple(x.redistribute(mesh, [Replicate()]).to_local() if isinstance(x, DTensor) else x for x in inputs)
+
+        def output_fn(mod: nn.Module, out: Any, mesh: DeviceMesh) -> Any:
+            if self.as_dtensor and isinstance(out, torch.Tensor):
+                return DTensor.from_local(out, mesh, [Replicate()], run_check=False)
+            return out
+
+        return distribute_module(module, device_mesh, None, input_fn, output_fn)
+
+
+class ToSequenceShards(ParallelStyle):
+    """The module's first input (full, replicated, plain) becomes sequence-sharded ``Shard(1)``:
+    where a VL model hands merged text+vision embeddings to its text decoder."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def input_fn(mod: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
+            x = inputs[0]
+            if isinstance(x, torch.Tensor) and x.is_floating_point() and not isinstance(x, DTensor):
+                x = DTensor.from_local(x, mesh, [Replicate()], run_check=False).redistribute(mesh, [Shard(1)])
+            return (x, *inputs[1:])
+
+        return distribute_module(module, device_mesh, None, input_fn, None)
+
+
+# --- plans for the shared layers ------------------------------------------------------------------
+
+
+def _stream(sp: bool):
+    """Layout of the residual stream between blocks."""
+    return Shard(1) if sp else Replicate()
+
+
+def block_input(sp: bool, n_extra: int = 0) -> PrepareModuleInput:
+    """A mixer / FFN gathers its (B, S, H) input once into a replicated DTensor; other positional
+    inputs (rotary cos/sin, token masks) pass untouched."""
+    return PrepareModuleInput(
+        input_layouts=(_stream(sp), *([None] * n_extra)),
+        desired_input_layouts=(Replicate(), *([None] * n_extra)),
+        use_local_output=False,
+    )
+
+
+def attention_plan(prefix: str, *, num_heads: int, num_kv_heads: int, head_dim: int, tp: int, sp: bool,
+                   replicate_kv: bool = True) -> dict[str, ParallelStyle]:
+    """Gated / plain attention (``Attention``): heads split; q_proj's per-head [query; gate] rows stay
+    together under a plain row split. KV heads split too, or (fewer KV heads than tp) replicated."""
+    local = {"use_local_output": True}
+    plan: dict[str, ParallelStyle] = {
+        prefix: block_input(sp, n_extra=2),
+        f"{prefix}.q_proj": ColwiseParallel(**local),
+        f"{prefix}.q_norm": HeadShardedNorm(),
+        f"{prefix}.k_norm": HeadShardedNorm(),
+        f"{prefix}.o_proj": RowwiseParallel(output_layouts=_stream(sp), use_local_output=not sp),
+    }
+    if num_kv_heads % tp == 0:
+        plan[f"{prefix}.k_proj"] = ColwiseParallel(**local)
+        plan[f"{prefix}.v_proj"] = ColwiseParallel(**local)
+    elif replicate_kv and tp % num_kv_heads == 0:
+        plan[f"{prefix}.k_proj"] = ReplicatedKV(num_kv_heads, head_dim)
+        plan[f"{prefix}.v_proj"] = ReplicatedKV(num_kv_heads, head_dim)
+    else:
+        raise ValueError(f"{num_kv_heads} KV heads cannot be split over tp {tp}")
+    return plan
+
+
+def gated_deltanet_plan(prefix: str, *, sp: bool) -> dict[str, ParallelStyle]:
+    """GatedDeltaNet: value heads (and the key heads they read) split; every per-head parameter
+    follows its heads; the shared output-norm weight is replicated."""
+    local = {"use_local_output": True}
+    plan: dict[str, ParallelStyle] = {prefix: block_input(sp)}
+    for proj in ("in_proj_q", "in_proj_k", "in_proj_v", "in_proj_z", "in_proj_b", "in_proj_a"):
+        plan[f"{prefix}.{proj}"] = ColwiseParallel(**local)
+    for conv in ("conv1d_q", "conv1d_k", "conv1d_v"):
+        plan[f"{prefix}.{conv}"] = ShardParams({"weight": 0})
+    plan[prefix + "#params"] = ShardParams({"A_log": 0, "dt_bias": 0})
+    plan[f"{prefix}.norm"] = HeadShardedNorm()
+    plan[f"{prefix}.out_proj"] = RowwiseParallel(output_layouts=_stream(sp), use_local_output=not sp)
+    return plan
+
+
+def mlp_plan(prefix: str, *, sp: bool, gather_input: bool = True) -> dict[str, ParallelStyle]:
+    """SwiGLU MLP: gate/up column-split, down row-split back to the residual stream's layout."""
+    plan: dict[str, ParallelStyle] = {
+        f"{prefix}.gate_proj": ColwiseParallel(),
+        f"{prefix}.up_proj": ColwiseParallel(),
+        f"{prefix}.down_proj": RowwiseParallel(output_layouts=_stream(sp), use_local_output=not sp),
+    }
+    if gather_input:
+        plan[prefix] = block_input(sp)
+    return plan
+
+
+def moe_plan(prefix: str, *, sp: bool, shared_expert: bool) -> dict[str, ParallelStyle]:
+    """SparseMoeBlock: a plain replicated region (router, combine, shared-expert gate) around
+    tensor-parallel experts and a tensor-parallel shared expert."""
+    plan: dict[str, ParallelStyle] = {f"{prefix}.experts": ExpertTensorParallel()}
+    if sp:
+        plan[prefix] = PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None),
+                                          use_local_output=True)
+        plan[prefix + "#out"] = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1),
+                                                    use_local_output=False)
+    if shared_expert:
+        shared = f"{prefix}.shared_expert"
+        plan[shared] = PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),),
+                                          use_local_output=False)
+        plan.update(mlp_plan(shared, sp=False, gather_input=False))
+    return plan
+
+
+def norm_plan(names: Sequence[str], *, sp: bool) -> dict[str, ParallelStyle]:
+    """Residual-stream norms run on the sequence shard under SP (and are left alone without)."""
+    return {n: SequenceParallel() for n in names} if sp else {}
+
+
+def apply_plan(root: nn.Module, mesh: DeviceMesh, plan: dict[str, ParallelStyle]) -> None:
+    """``parallelize_module`` per entry; ``"path#tag"`` keys apply a second style to ``path``
+    (e.g. an output preparation after an input preparation, or parameters of the module itself)."""
+    for key, style in plan.items():
+        path = key.split("#", 1)[0]
+        module = root.get_submodule(path) if path else root
+        parallelize_module_checked(module, mesh, style, key)
+
+
+def parallelize_module_checked(module: nn.Module, mesh: DeviceMesh, style: ParallelStyle, key: str) -> None:
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    try:
+        parallelize_module(module, mesh, style)
+    except Exception as e:  # a plan bug: name the entry that failed
+        raise RuntimeError(f"tensor-parallel plan entry '{key}' ({type(style).__name__}) failed: {e}") from e
