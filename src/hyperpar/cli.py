@@ -8,13 +8,14 @@ from __future__ import annotations
 import os
 import sys
 import time
+from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from hyperpar.config import register_configs, validate_schema
+from hyperpar.config import check_values, register_configs, validate_schema
 from hyperpar.errors import ConfigError, HyperparError
 
 CONFIG_PATH = "pkg://hyperpar.conf"
@@ -65,7 +66,8 @@ def main(cfg: DictConfig) -> float | None:
 
 
 def _task(cfg: DictConfig) -> float | None:
-    from hyperpar.launch import run_job, under_torchrun, write_result
+    from hyperpar import run_status
+    from hyperpar.launch import job_started, run_job, under_torchrun, write_result
     from hyperpar.parity.callback import check_attached
     from hyperpar.plan import make_plan
 
@@ -79,7 +81,7 @@ def _task(cfg: DictConfig) -> float | None:
     except HyperparError as e:
         _error(e)
     try:
-        cfg = validate_schema(cfg)
+        cfg = check_values(validate_schema(cfg), warn=False)  # the driver's preflight warned already
         with_dir = OmegaConf.merge(cfg, {"run_dir": run_dir})
         plan = make_plan(with_dir, strict=not cfg.dry_run)
         if cfg.dry_run:
@@ -90,7 +92,9 @@ def _task(cfg: DictConfig) -> float | None:
             return None
         result = run_job(with_dir, run_dir)
     except HyperparError as e:
-        if multirun and rank0:
+        # Only a job that began in its run dir records its failure: a refused one (run dir locked by
+        # another run, a checkpoint it cannot resume) must leave that dir as it was.
+        if rank0 and (multirun or job_started(run_dir)):
             write_result(run_dir, cfg, status="failed", error=e.one_line(), job_name=_job_label(overrides), overrides=overrides)
         if multirun and cfg.parity.enabled:
             # Keep the sweep going so the parity report runs and states which job failed.
@@ -98,7 +102,7 @@ def _task(cfg: DictConfig) -> float | None:
             return None
         _error(e)
     except Exception as e:
-        if multirun and rank0:
+        if rank0 and (multirun or job_started(run_dir)):
             write_result(run_dir, cfg, status="failed", error=f"{type(e).__name__}: {e}".splitlines()[0],
                          job_name=_job_label(overrides), overrides=overrides)
         if multirun and cfg.parity.enabled:
@@ -108,21 +112,48 @@ def _task(cfg: DictConfig) -> float | None:
             return None
         raise
     if rank0:
-        write_result(run_dir, cfg, status="completed", error=None, job_name=_job_label(overrides), overrides=overrides)
-        losses = result.get("losses") or []
-        if losses:
-            print(f"[hyperpar] done: {len(losses)} steps, final loss {losses[-1]:.6f}; outputs in {run_dir}", file=sys.stderr)
+        write_result(run_dir, cfg, status=run_status.status_of(result), error=None, job_name=_job_label(overrides),
+                     overrides=overrides, step=result.get("steps"))
+        run_status.report(result, cfg, run_dir, overrides)
+    if run_status.exit_code(result) and not multirun:
+        sys.exit(run_status.exit_code(result))
     return result.get("final_loss")
 
 
 # ---- pre-flight: make compose errors one line ---------------------------------------------------
-def _split_argv(argv: list[str]) -> tuple[list[str], bool]:
-    """(overrides, is_special): special = --cfg/--info/--help etc., where Hydra handles everything."""
+def _split_argv(argv: list[str]) -> tuple[list[str], bool, bool]:
+    """(overrides, is_special, multirun): special = --cfg/--info/--help etc., where Hydra handles everything."""
     from hydra._internal.utils import get_args_parser
 
     args, _ = get_args_parser().parse_known_args(argv)
     special = any(getattr(args, k, None) for k in ("help", "hydra_help", "cfg", "info", "shell_completion", "version", "experimental_rerun"))
-    return list(args.overrides), special
+    return list(args.overrides), special, bool(getattr(args, "multirun", False))
+
+
+def _explicit_run_dir(overrides: list[str]) -> str | None:
+    """``hydra.run.dir=X`` when given literally (a timestamped default dir is new: nothing to protect)."""
+    for o in reversed(overrides):
+        key, sep, value = o.partition("=")
+        if sep and key.lstrip("+~") == "hydra.run.dir" and value and "${" not in value:
+            return value.strip("'\"")
+    return None
+
+
+def _guard_run_dir(cfg: DictConfig, run_dir: str) -> None:
+    """Before Hydra writes ``.hydra/`` and its log into an explicit run dir: take the run-dir lock (held
+    until this process exits) and, when the dir already holds a run, check the checkpoint it would
+    resume, so a refused run leaves that dir untouched."""
+    from hyperpar import run_lock
+
+    if "TORCHELASTIC_RUN_ID" in os.environ and int(os.environ.get("RANK", 0)) != 0:
+        return
+    p = Path(run_dir)
+    existed = (p / "config.yaml").exists() or (p / "checkpoints").exists()
+    run_lock.acquire(p)
+    if existed and not cfg.dry_run:
+        from hyperpar.checkpoint.manager import preflight as checkpoint_preflight
+
+        checkpoint_preflight(OmegaConf.merge(cfg, {"run_dir": str(p)}), str(p))
 
 
 def _first_of_sweeps(overrides: list[str]) -> list[str]:
@@ -146,7 +177,7 @@ def preflight(argv: list[str]) -> None:
     from hydra import compose, initialize_config_module
     from hydra.core.global_hydra import GlobalHydra
 
-    overrides, special = _split_argv(argv)
+    overrides, special, multirun = _split_argv(argv)
     if special:
         return
     try:
@@ -162,7 +193,10 @@ def preflight(argv: list[str]) -> None:
             raise ConfigError(_compose_message(e)) from None
         finally:
             GlobalHydra.instance().clear()
-        validate_schema(cfg)
+        cfg = check_values(validate_schema(cfg))
+        run_dir = None if multirun else _explicit_run_dir(overrides)
+        if run_dir is not None:
+            _guard_run_dir(cfg, run_dir)
     except HyperparError as e:
         _error(e)
 
@@ -191,8 +225,13 @@ def cli() -> None:
     """Console-script and ``python -m hyperpar`` entry."""
     from hyperpar.launch import under_torchrun
 
-    preflight(sys.argv[1:])
-    if under_torchrun() and int(os.environ.get("RANK", 0)) != 0:
-        # Only rank 0 writes shared outputs (.hydra/, the Hydra log); others log to logs/rank_<r>.log.
-        sys.argv += ["hydra.output_subdir=null", "hydra/job_logging=disabled", "hydra/hydra_logging=disabled"]
-    main()
+    try:
+        preflight(sys.argv[1:])
+        if under_torchrun() and int(os.environ.get("RANK", 0)) != 0:
+            # Only rank 0 writes shared outputs (.hydra/, the Hydra log); others log to logs/rank_<r>.log.
+            sys.argv += ["hydra.output_subdir=null", "hydra/job_logging=disabled", "hydra/hydra_logging=disabled"]
+        main()
+    except KeyboardInterrupt:
+        # Ctrl-C before the training loop took over SIGINT (composing, importing, building): nothing to save.
+        print("[hyperpar] interrupted (Ctrl-C) before training started: nothing saved", file=sys.stderr)
+        sys.exit(130)

@@ -193,6 +193,71 @@ def to_yaml(cfg: DictConfig) -> str:
 def dtype_of(name: str):
     import torch
 
+# ---- values the schema's types cannot reject ----------------------------------------------------
+# (key, test, what it must be). A key the schema lacks (a field renamed elsewhere) is skipped.
+def _finite(v: Any) -> bool:
+    return isinstance(v, (int, float)) and v == v and v not in (float("inf"), float("-inf"))
+
+
+_VALUE_RULES: list[tuple[str, Any, str]] = [
+    ("train.steps", lambda v: v >= 1, ">= 1"),
+    ("train.global_batch_size", lambda v: v >= 1, ">= 1 (samples per optimizer step)"),
+    ("train.micro_batch_size", lambda v: v >= 1, ">= 1 (samples per forward pass per rank)"),
+    ("train.seq_len", lambda v: v >= 1, ">= 1 (tokens per sample)"),
+    ("train.seed", lambda v: 0 <= v < 2**32, "in [0, 2**32)"),
+    ("train.max_grad_norm", _finite, "a finite number (<= 0 disables clipping)"),
+    ("train.log_every", lambda v: v >= 1, ">= 1"),
+    ("train.stop_after_steps", lambda v: v is None or v >= 0, ">= 0 or null"),
+    ("train.mixed_precision.param_dtype", lambda v: v in _DTYPES, "one of float32, bfloat16, float16"),
+    ("train.mixed_precision.reduce_dtype", lambda v: v in _DTYPES, "one of float32, bfloat16, float16"),
+    ("train.activation_checkpoint", lambda v: v in ("none", "full", "selective"), "one of none, full, selective"),
+    ("optim.lr", lambda v: _finite(v) and v >= 0, "a finite number >= 0"),
+    ("optim.warmup_steps", lambda v: v >= 0, ">= 0"),
+    ("optim.weight_decay", lambda v: _finite(v) and v >= 0, "a finite number >= 0"),
+    ("optim.beta1", lambda v: 0 <= v < 1, "in [0, 1)"),
+    ("optim.beta2", lambda v: 0 <= v < 1, "in [0, 1)"),
+    ("optim.eps", lambda v: _finite(v) and v > 0, "a finite number > 0"),
+    ("optim.min_lr_ratio", lambda v: 0 <= v <= 1, "in [0, 1]"),
+    ("optim.schedule", lambda v: v in ("cosine", "constant", "linear"), "one of cosine, constant, linear"),
+    ("checkpoint.save_steps", lambda v: v >= 0, ">= 0 (0: save only at the end)"),
+    ("checkpoint.keep_last", lambda v: v >= 0, ">= 0 (0: keep all)"),
+    ("checkpoint.resume", lambda v: v in ("auto", "never"), "one of auto, never"),
+    ("data.max_samples", lambda v: v is None or v >= 1, ">= 1 or null"),
+    ("model.mtp_loss_weight", lambda v: _finite(v) and v >= 0, "a finite number >= 0"),
+    ("launch.max_restarts", lambda v: v >= 0, ">= 0"),
+    ("launch.monitor_interval", lambda v: _finite(v) and v > 0, "a finite number > 0 (seconds)"),
+    ("launch.threads_per_rank", lambda v: v >= 0, ">= 0 (0: cores / local ranks)"),
+    ("metrics.peak_tflops", lambda v: v is None or (_finite(v) and v > 0), "> 0 or null"),
+    ("parity.tolerance_mean", lambda v: _finite(v) and v > 0, "a finite number > 0"),
+    ("parity.tolerance_step", lambda v: v is None or (_finite(v) and v > 0), "> 0 or null"),
+]
+_DTYPES = ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
+_MISSING = object()
+
+
+def check_values(cfg: DictConfig, *, warn: bool = True) -> DictConfig:
+    """Reject a value no run can use (``train.global_batch_size=0``, ``optim.lr=-1e-3``, ...) with one
+    ConfigError naming the key, before anything is built or written. Returns ``cfg``.
+
+    ``optim.lr=0`` is allowed (a forward-only check of a pipeline) with a warning on rank 0."""
+    import os
+    import sys
+
+    for key, ok, what in _VALUE_RULES:
+        value = OmegaConf.select(cfg, key, default=_MISSING)
+        if value is _MISSING:
+            continue
+        try:
+            good = bool(ok(value))
+        except TypeError:
+            good = False
+        if not good:
+            raise ConfigError(f"{key}={value} must be {what}")
+    if warn and OmegaConf.select(cfg, "optim.lr", default=None) == 0 and int(os.environ.get("RANK", 0)) == 0:
+        print("[hyperpar] warning: optim.lr=0: the weights will not change", file=sys.stderr)
+    return cfg
+
+
     table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
              "float16": torch.float16, "fp16": torch.float16}
     if name not in table:
@@ -203,7 +268,7 @@ def dtype_of(name: str):
 __all__ = [
     "JobConfig", "TrainConfig", "ParallelConfig", "ModelConfig", "DataConfig", "OptimConfig",
     "CheckpointConfig", "MetricsConfig", "LaunchConfig", "ParityConfig", "MixedPrecisionConfig",
-    "register_configs", "validate_schema", "dtype_of", "MISSING",
+    "register_configs", "validate_schema", "check_values", "dtype_of", "MISSING",
 ]
 
 

@@ -134,7 +134,8 @@ def worker_main(cfg: DictConfig, run_dir: str) -> dict[str, Any]:
             metrics.close()
         if world > 1:
             dist.barrier()
-        return {"rank": rank, **result}
+        # Which signal stopped the loop: SIGTERM = preempted, Ctrl-C = stopped (the driver's status).
+        return {"rank": rank, **result, **({"stop_reason": preemption.reason} if preemption.reason else {})}
     except HyperparError as e:
         if rank == 0 or not (Path(run_dir) / USER_ERROR_FILE).exists():
             (Path(run_dir) / USER_ERROR_FILE).write_text(e.one_line() + "\n")
@@ -196,11 +197,13 @@ def launch_workers(cfg: DictConfig, run_dir: str) -> dict[str, Any]:
     try:
         results = elastic_launch(lc, run_worker)(cfg_path, run_dir)
     except SignalException as e:
-        if e.sigval != signal.SIGTERM:
+        if e.sigval not in (signal.SIGTERM, signal.SIGINT):
             raise
-        # Preemption: the agent forwarded SIGTERM; the workers finished their step, saved and exited.
-        log.warning("preempted (SIGTERM): the workers saved a checkpoint; rerun with hydra.run.dir=%s to resume", run_dir)
-        return {"preempted": True, "losses": [], "final_loss": None, "stop_reason": "preempted"}
+        # Preemption or Ctrl-C: the agent forwarded the signal; the workers finished their step, saved
+        # and exited. The driver prints the status and how to resume.
+        reason = "preempted" if e.sigval == signal.SIGTERM else "stopped"
+        log.warning("%s (%s): the workers saved a checkpoint when checkpointing is on", reason, signal.Signals(e.sigval).name)
+        return {"preempted": True, "losses": [], "final_loss": None, "stop_reason": reason}
     except ChildFailedError as e:
         user = Path(run_dir) / USER_ERROR_FILE
         if user.exists():
@@ -214,12 +217,29 @@ def launch_workers(cfg: DictConfig, run_dir: str) -> dict[str, Any]:
     return results[0]
 
 
+_started: set[str] = set()  # run dirs this process began writing a job into (so it may record its failure)
+
+
+def job_started(run_dir: str) -> bool:
+    return str(Path(run_dir).resolve()) in _started
+
+
 def run_job(cfg: DictConfig, run_dir: str) -> dict[str, Any]:
     """Run the job from the driver: in-process for one rank or under torchrun, else start workers."""
+    from hyperpar import run_lock
+
+    if under_torchrun() and int(os.environ.get("RANK", 0)) != 0:
+        run_lock.ensure_run_dir(run_dir)
+        return _run_job_locked(cfg, run_dir)
+    with run_lock.hold(run_dir):  # one run per run dir: released on exit, and by the kernel if we die
+        return _run_job_locked(cfg, run_dir)
+
+
+def _run_job_locked(cfg: DictConfig, run_dir: str) -> dict[str, Any]:
     from hyperpar.checkpoint.manager import preflight
 
-    Path(run_dir).mkdir(parents=True, exist_ok=True)
     preflight(cfg, run_dir)  # a bad load_path / damaged or foreign checkpoint fails here, before any worker
+    _started.add(str(Path(run_dir).resolve()))
     if under_torchrun():
         return worker_main(cfg, run_dir)
     # A resumed run reuses its run dir: an error file of an earlier invocation must not be reported as this one's.
@@ -230,9 +250,16 @@ def run_job(cfg: DictConfig, run_dir: str) -> dict[str, Any]:
     return launch_workers(cfg, run_dir)
 
 
-def write_result(run_dir: str, cfg: DictConfig, *, status: str, error: str | None, job_name: str, overrides: list[str]) -> None:
+STATUSES = ("completed", "stopped", "preempted", "failed")
+
+
+def write_result(run_dir: str, cfg: DictConfig, *, status: str, error: str | None, job_name: str, overrides: list[str],
+                 step: int | None = None) -> None:
+    """``status``: completed | stopped (Ctrl-C, train.stop_after_steps) | preempted (SIGTERM) | failed."""
+    if status not in STATUSES:
+        raise ValueError(f"unknown run status {status!r}")
     record = {
-        "status": status, "error": error, "job_name": job_name, "overrides": overrides,
+        "status": status, "error": error, "job_name": job_name, "overrides": overrides, "step": step,
         "parallel": cfg.parallel.name, "world_size": int(cfg.parallel.world_size),
         "param_dtype": cfg.train.mixed_precision.param_dtype, "steps": int(cfg.train.steps), "seed": int(cfg.train.seed),
         "model": cfg.model.name,

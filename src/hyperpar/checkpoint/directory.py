@@ -9,7 +9,8 @@
 
 A directory counts as a checkpoint only if its name is ``step_<n>`` *and* it holds the ``COMPLETE``
 marker, which rank 0 writes inside the ``.tmp`` directory before the rename. A run killed at any
-point of a save leaves at most a ``.tmp`` directory, which resume ignores.
+point of a save leaves at most a ``.tmp`` directory, which resume ignores. The marker lists every
+file with its size and checksum (``integrity``); a checkpoint is *verified* once they match.
 """
 
 from __future__ import annotations
@@ -20,8 +21,10 @@ import re
 import shutil
 import time
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
+from hyperpar.checkpoint import integrity
 from hyperpar.errors import CheckpointError
 
 CHECKPOINTS = "checkpoints"
@@ -79,8 +82,10 @@ def newest_complete(root: str | Path) -> Path | None:
     return found[-1][1] if found else None
 
 
-def resolve_load_path(path: str | Path, what: str = "checkpoint.load_path") -> Path:
-    """A ``step_<n>`` directory, or a checkpoints / run directory (its newest complete checkpoint)."""
+def resolve_load_path(path: str | Path, what: str = "checkpoint.load_path",
+                      pick: Callable[[Path], Path | None] | None = None) -> Path:
+    """A ``step_<n>`` directory, or a checkpoints / run directory: the checkpoint ``pick(root)`` chooses
+    there (default: its newest complete one)."""
     p = Path(path).expanduser()
     if not p.exists():
         raise CheckpointError(f"{what} '{path}' does not exist",
@@ -94,9 +99,10 @@ def resolve_load_path(path: str | Path, what: str = "checkpoint.load_path") -> P
                                   hint="use an earlier complete checkpoint, or resume=auto to pick the newest complete one")
         return p
     for root in (p, p / CHECKPOINTS):
-        newest = newest_complete(root)
-        if newest is not None:
-            return newest
+        if list_complete(root):
+            chosen = (pick or newest_complete)(root)
+            if chosen is not None:
+                return chosen
     raise CheckpointError(f"'{path}' holds no complete checkpoint", hint="give a checkpoints/step_<n> directory")
 
 
@@ -152,7 +158,10 @@ def prepare_tmp(root: Path, step: int) -> Path:
 
 
 def publish(tmp: Path, step: int, marker: dict[str, Any]) -> Path:
-    """(rank 0, after a barrier) Marker, rename, ``latest``: the checkpoint becomes visible in one rename."""
+    """(rank 0, after a barrier) Marker, rename, ``latest``: the checkpoint becomes visible in one rename.
+
+    ``marker["files"]`` is the checksum manifest of the directory's files (``integrity``).
+    """
     _fsync_tree(tmp)
     write_json(tmp / MARKER, {**marker, "step": step, "time": time.strftime("%Y-%m-%dT%H:%M:%S")})
     final = tmp.parent / step_name(step)
@@ -176,16 +185,33 @@ def publish(tmp: Path, step: int, marker: dict[str, Any]) -> Path:
     return final
 
 
-def prune(root: Path, keep_last: int, *, keep: Path | None = None) -> list[Path]:
-    """(rank 0) Delete complete checkpoints older than the newest ``keep_last``; never incomplete ones.
+def read_marker(ckpt: Path) -> dict[str, Any]:
+    return read_json(ckpt / MARKER, "completion marker")
 
-    A checkpoint is first renamed out of the ``step_<n>`` namespace, so a crash mid-delete never leaves
-    a half-deleted directory that resume would take.
+
+def verify_checkpoint(ckpt: Path) -> bool:
+    """Every file the marker lists is there, of its size and checksum (one CheckpointError naming the
+    first that is not). False: a checkpoint saved without checksums, nothing to compare."""
+    return integrity.verify(ckpt, read_marker(ckpt))
+
+
+def prune(root: Path, keep_last: int, *, trusted: set[Path] | None = None) -> list[Path]:
+    """(rank 0) Keep the newest ``keep_last`` *trusted* checkpoints (written or verified by this run;
+    default: all) and delete the complete ones older than them; never incomplete ones, never an untrusted newer one.
+
+    So a run that fell back to an older checkpoint past a damaged newer one never deletes its good
+    resume point while keeping the damaged one. A checkpoint is first renamed out of the ``step_<n>``
+    namespace, so a crash mid-delete never leaves a half-deleted directory that resume would take.
     """
     if keep_last <= 0:
         return []
     found = list_complete(root)
-    doomed = [p for _, p in found[:-keep_last] if keep is None or p != keep]
+    ok = {p.resolve() for p in trusted} if trusted is not None else {p.resolve() for _, p in found}
+    good = [s for s, p in found if p.resolve() in ok]
+    if len(good) < keep_last:
+        return []
+    oldest_kept = good[-keep_last]
+    doomed = [p for s, p in found if s < oldest_kept]
     for p in doomed:
         retired = p.with_name(p.name + ".deleting")
         os.rename(p, retired)

@@ -7,6 +7,7 @@ Both paths end in :func:`hyperpar.models.to_hf`, which maps names through the fa
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 import torch
@@ -104,7 +105,9 @@ def load_checkpoint_model(ckpt: str | Path, *, config: str | Path | None = None)
     """One process, no process group: the model a DCP checkpoint holds, as a plain CPU module (fp32)."""
     from hyperpar.config import build
 
-    path = d.resolve_load_path(ckpt, what="checkpoint")
+    from hyperpar.checkpoint.manager import resolve_intact
+
+    path = resolve_intact(ckpt, what="checkpoint")  # checksums and the safe index reader, before any load
     cfg = load_job_config(Path(config) if config else find_config(path))
     builder = build(cfg.model, load_weights=False)
     model = plain_model(builder.spec, builder.args)
@@ -116,7 +119,20 @@ def load_checkpoint_model(ckpt: str | Path, *, config: str | Path | None = None)
     return model
 
 
+def check_out_dir(out_dir: str | Path) -> Path:
+    """The export target is a directory we can create or write: not an existing file."""
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise CheckpointError(f"export target '{out}' is an existing file, not a directory",
+                              hint="give a new or existing directory for config.json and the safetensors")
+    parent = next((p for p in (out, *out.parents) if p.exists()), None)
+    if parent is not None and (not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK)):
+        raise CheckpointError(f"cannot write the export to '{out}': '{parent}' is not a writable directory")
+    return out
+
+
 def export_checkpoint(ckpt: str | Path, out_dir: str | Path, *, config: str | Path | None = None,
                       dtype: torch.dtype | None = None, max_shard_size: int | str = "2GB") -> Path:
+    check_out_dir(out_dir)
     model = load_checkpoint_model(ckpt, config=config)
     return write_hf(model, out_dir, dtype=dtype, max_shard_size=max_shard_size)

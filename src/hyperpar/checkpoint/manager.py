@@ -5,17 +5,23 @@ Built from the ``checkpoint`` config group by :func:`build_checkpointer`; the Tr
 ``resume`` once before training.
 
 Resume rules, first match wins:
-  1. ``resume: auto``, or a restarted worker (``TORCHELASTIC_RESTART_COUNT`` > 0, whatever ``resume``
-     says): the newest complete checkpoint of this run's ``checkpoints/`` directory;
-  2. ``load_path``: that checkpoint (or the newest complete one under a run / checkpoints directory);
-  3. otherwise a fresh start.
-``enabled`` only controls saving.
+  1. a restarted worker (``TORCHELASTIC_RESTART_COUNT`` > 0, whatever ``resume`` says): the newest
+     verified checkpoint of this run's ``checkpoints/`` directory (its own progress);
+  2. ``load_path``: that checkpoint (or the newest verified one under a run / checkpoints directory);
+     an explicit path always wins over ``resume: auto``;
+  3. ``resume: auto``: the newest verified checkpoint of this run's ``checkpoints/``; damaged or
+     incomplete newer ones are skipped, each named with the reason;
+  4. otherwise a fresh start.
+``enabled`` only controls saving. "Verified": every file matches the size and checksum recorded
+when its save completed (``integrity``), and the ``.metadata`` index reads with the safe unpickler.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +30,9 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
 from hyperpar.checkpoint import directory as d
+from hyperpar.checkpoint import integrity
 from hyperpar.checkpoint import state as st
-from hyperpar.checkpoint.preemption import fault_hook_in_save
+from hyperpar.checkpoint.preemption import fault_hook_disk_full, fault_hook_in_save
 from hyperpar.errors import CheckpointError, ConfigError, HyperparError
 
 log = logging.getLogger("hyperpar")
@@ -90,7 +97,8 @@ class Checkpointer:
         self.restart_count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) if restart_count is None else restart_count
         self.last_saved_step: int | None = None
         self.resumed_from: Path | None = None
-        self._pending: tuple[Any, int, Path] | None = None  # async: (future, step, tmp dir)
+        self.trusted: set[Path] = set()  # checkpoints this run wrote or verified: retention keeps these
+        self._pending: tuple[Any, int, Path, int] | None = None  # async: (future, step, tmp dir, bytes)
         self._async_group = None
         if enabled and async_save and dist.is_available() and dist.is_initialized():
             # Background saves run their collectives on their own gloo group so they never interleave
@@ -99,15 +107,15 @@ class Checkpointer:
 
     # ---- resume -------------------------------------------------------------------------------
     def _choose(self) -> Path | None:
-        if self.resume_mode == "auto" or self.restart_count > 0:
-            stale = d.incomplete(self.root)
-            if stale:
-                log.warning("ignoring incomplete checkpoint(s) (interrupted saves): %s", ", ".join(p.name for p in stale))
-            newest = d.newest_complete(self.root)
-            if newest is not None:
-                return newest
+        restarted = self.restart_count > 0
+        if restarted:
+            own = newest_intact(self.root)
+            if own is not None:
+                return own
         if self.load_path:
-            return d.resolve_load_path(self.load_path)
+            return resolve_intact(self.load_path)
+        if self.resume_mode == "auto":
+            return newest_intact(self.root)
         return None
 
     def choose_resume(self) -> Path | None:
@@ -140,6 +148,7 @@ class Checkpointer:
 
     def load(self, path: Path, trainer) -> None:
         path = Path(path)
+        check_intact(path)  # remembered in this process: a no-op after choose_resume verified it
         train_state = d.read_json(path / d.TRAIN_STATE, "trainer state")
         metadata = st.read_metadata(path)
         st.check_files(path, metadata)
@@ -164,6 +173,7 @@ class Checkpointer:
                      train_state.get("world_size"), self.world_size)
         if path.parent.resolve() == self.root.resolve():
             self.last_saved_step = trainer.step
+            self.trusted.add(path)
         self.resumed_from = path
         log.info("resumed from %s at step %d (saved by layout %s, %s ranks)", path, trainer.step,
                  train_state.get("layout"), train_state.get("world_size"))
@@ -202,32 +212,68 @@ class Checkpointer:
         self.wait()
         step = trainer.step
         tmp = self.root / f"{d.step_name(step)}.tmp"
-        if self.rank == 0:
-            d.prepare_tmp(self.root, step)
-        _barrier()
         tensors, optim_other = st.split_state(trainer.model, trainer.optimizer)
-        if self.rank == 0:
-            d.write_json(tmp / d.TRAIN_STATE, self._train_state(trainer, optim_other))
-            if self.job_cfg is not None:
-                OmegaConf.save(self.job_cfg, tmp / d.CONFIG, resolve=True)
-        d.write_json(tmp / d.RNG_DIR / f"rank_{self.rank:05d}.json", st.rng_state(self.device_type))
-        self.last_saved_step = step
-        if self.async_save:
-            fut = dcp.async_save(tensors, checkpoint_id=str(tmp), process_group=self._async_group)
-            self._pending = (fut, step, tmp)
-            log.info("saving checkpoint step %d in the background", step)
-            return tmp
-        dcp.save(tensors, checkpoint_id=str(tmp))
+        try:
+            if self.rank == 0:
+                d.prepare_tmp(self.root, step)
+            _barrier()
+            if self.rank == 0:
+                d.write_json(tmp / d.TRAIN_STATE, self._train_state(trainer, optim_other))
+                if self.job_cfg is not None:
+                    OmegaConf.save(self.job_cfg, tmp / d.CONFIG, resolve=True)
+            d.write_json(tmp / d.RNG_DIR / f"rank_{self.rank:05d}.json", st.rng_state(self.device_type))
+            self.last_saved_step = step
+            if self.async_save:
+                fut = dcp.async_save(tensors, checkpoint_id=str(tmp), process_group=self._async_group)
+                self._pending = (fut, step, tmp, _state_bytes(tensors))
+                log.info("saving checkpoint step %d in the background", step)
+                return tmp
+            with fault_hook_disk_full(step):
+                dcp.save(tensors, checkpoint_id=str(tmp))
+        except Exception as e:  # noqa: BLE001 - DCP wraps a write error per rank; only a full disk is ours
+            self._failed_save(e, step, tmp, _state_bytes(tensors))
+            raise
         return self._publish(step, tmp)
+
+    def _failed_save(self, e: BaseException, step: int, tmp: Path, need: int) -> None:
+        """A full disk (ENOSPC / EDQUOT anywhere in DCP's wrapped errors) becomes one CheckpointError;
+        the half-written ``.tmp`` goes, so the previous checkpoint stays the resume point."""
+        full = disk_full_error(e)
+        if full is None:
+            return
+        self.last_saved_step = None
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            free = shutil.disk_usage(self.root).free
+        except OSError:
+            free = -1
+        previous = d.newest_complete(self.root)
+        where = getattr(full, "filename", None) or tmp
+        raise CheckpointError(
+            f"disk full: saving checkpoint {d.step_name(step)} failed writing '{where}' ({full.strerror or 'no space left'}); "
+            f"it needs about {_mb(need)} and {_mb(free) if free >= 0 else 'an unknown amount'} is free",
+            hint=f"free space under {self.root}; " + (f"{previous.name} stays the resume point" if previous else
+                                                        "no earlier checkpoint exists")) from None
 
     def _publish(self, step: int, tmp: Path) -> Path:
         fault_hook_in_save(step)
-        _barrier()  # every rank's files are written
+        # Each rank hashes what it wrote; the gather doubles as the barrier "every rank's files are written".
+        own = integrity.checksum_files(tmp, integrity.rank_files(tmp, self.rank))
+        parts: list[Any] = [None] * self.world_size if _dist() else [own]
+        if _dist():
+            dist.all_gather_object(parts, own)
         final = self.root / d.step_name(step)
         if self.rank == 0:
-            marker = {"world_size": self.world_size, "model": _model_tag(self.job_cfg)}
+            merged = {k: v for part in parts for k, v in (part or {}).items()}
+            files = integrity.complete_manifest(tmp, merged, skip=(d.MARKER,))
+            marker = {"world_size": self.world_size, "model": _model_tag(self.job_cfg),
+                      "checksum": integrity.ALGORITHM, "files": files}
             final = d.publish(tmp, step, marker)
-            removed = d.prune(self.root, self.keep_last, keep=final)
+            integrity.mark_verified(final, files)
+            self.trusted.add(final)
+            removed = d.prune(self.root, self.keep_last, trusted=self.trusted)
+            self.trusted -= set(removed)
             log.info("saved checkpoint %s%s", final,
                      f" (removed {', '.join(p.name for p in removed)})" if removed else "")
         _barrier()  # nobody starts the next save (or exits) before it is visible
@@ -237,10 +283,14 @@ class Checkpointer:
         """Finish a background save: wait for its writes on every rank, then publish it."""
         if self._pending is None:
             return
-        fut, step, tmp = self._pending
+        fut, step, tmp, need = self._pending
         self._pending = None
         result = getattr(fut, "upload_completion", fut)
-        result.result()
+        try:
+            result.result()
+        except Exception as e:  # noqa: BLE001 - see save()
+            self._failed_save(e, step, tmp, need)
+            raise
         self._publish(step, tmp)
 
     # ---- export -------------------------------------------------------------------------------
@@ -255,6 +305,89 @@ class Checkpointer:
         return path
 
 
+def newest_intact(root: Path) -> Path | None:
+    """The newest complete checkpoint under ``root`` that passes :func:`check_intact`; each newer one
+    that does not is skipped with a warning saying why. None when ``root`` has no complete one."""
+    stale = d.incomplete(root)
+    if stale:
+        log.warning("ignoring incomplete checkpoint(s) (interrupted saves): %s", ", ".join(p.name for p in stale))
+    skipped: list[tuple[Path, CheckpointError]] = []
+    for _, p in reversed(d.list_complete(root)):
+        try:
+            check_intact(p)
+        except CheckpointError as e:
+            skipped.append((p, e))
+            log.warning("skipping checkpoint %s: %s", p.name, e)
+            continue
+        if skipped:
+            log.warning("using %s, the newest intact checkpoint (skipped %s)", p.name, ", ".join(q.name for q, _ in skipped))
+        return p
+    if skipped:
+        first, err = skipped[0]
+        raise CheckpointError(f"no intact checkpoint in '{root}' ({len(skipped)} damaged; newest, {first.name}: {err})",
+                              hint="restore a good copy, or resume=never to start over")
+    return None
+
+
+def resolve_intact(path: str | Path, what: str = "checkpoint.load_path") -> Path:
+    """An explicit checkpoint (or the newest intact one under a run / checkpoints dir), verified."""
+    p = d.resolve_load_path(path, what=what, pick=newest_intact)
+    check_intact(p)
+    return p
+
+
+def check_intact(path: Path) -> None:
+    """The checkpoint's files are those its save recorded (checksums), its index reads without running
+    code and points inside its data files, and its trainer state is readable. One CheckpointError if not."""
+    path = Path(path)
+    if not integrity.verify(path, d.read_marker(path)):
+        log.info("checkpoint %s was saved without checksums: only its structure is checked", path)
+    metadata = st.read_metadata(path)
+    st.check_files(path, metadata)
+    d.read_json(path / d.TRAIN_STATE, "trainer state")
+
+
+def disk_full_error(e: BaseException | None, _seen: set[int] | None = None) -> OSError | None:
+    """The ENOSPC / EDQUOT OSError inside ``e`` (causes, contexts, DCP's per-rank failures), if any."""
+    seen = _seen if _seen is not None else set()
+    if e is None or id(e) in seen:
+        return None
+    seen.add(id(e))
+    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return e
+    inner = [e.__cause__, e.__context__, getattr(e, "exc", None)]
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict):
+        inner += list(failures.values())
+    for x in inner:
+        if isinstance(x, BaseException) and (found := disk_full_error(x, seen)) is not None:
+            return found
+    return None
+
+
+def _state_bytes(tensors: dict[str, dict[str, torch.Tensor]]) -> int:
+    """Bytes of the tensors a save writes (DTensors count their global size: every rank's shard)."""
+    return sum(t.numel() * t.element_size() for sub in tensors.values() for t in sub.values() if isinstance(t, torch.Tensor))
+
+
+def _mb(n: int) -> str:
+    return f"{n / 2**20:.1f} MB" if n < 2**30 else f"{n / 2**30:.2f} GB"
+
+
+def check_resumable(path: Path, cfg: DictConfig) -> None:
+    """What the loaded trainer state would reject, checked before anything is written: the data
+    position only carries over to a global batch size that divides the samples consumed so far."""
+    loader = d.read_json(path / d.TRAIN_STATE, "trainer state").get("loader") or {}
+    saved, new = loader.get("global_batch_size"), int(cfg.train.global_batch_size)
+    if saved is None or int(saved) == new:
+        return
+    consumed = int(loader.get("step", 0)) * int(saved)
+    if consumed % new:
+        raise CheckpointError(f"cannot resume from '{path}' with train.global_batch_size={new}: it consumed {consumed} "
+                              f"samples at global batch {saved}, not a multiple of {new}",
+                              hint=f"keep train.global_batch_size={saved}, or one that divides {consumed}")
+
+
 def preflight(cfg: DictConfig, run_dir: str) -> Path | None:
     """Driver-side checks before any worker starts (one-line errors, no worker logs around them):
     the checkpoint a run would resume from exists, is complete and intact, and fits the model.
@@ -266,10 +399,14 @@ def preflight(cfg: DictConfig, run_dir: str) -> Path | None:
     c = cfg.checkpoint
     if c.resume not in RESUME_MODES:
         raise ConfigError(f"checkpoint.resume='{c.resume}' is not one of {', '.join(RESUME_MODES)}")
+    if "TORCHELASTIC_RUN_ID" in os.environ and int(os.environ.get("RANK", 0)) != 0:
+        return None  # under torchrun every rank is a driver: rank 0 checks (and verifies) for all
     ck = Checkpointer(enabled=False, resume=c.resume, load_path=c.load_path, run_dir=run_dir, job_cfg=cfg)
     path = ck._choose()
     if path is None:
         return None
+    check_resumable(path, cfg)
+    integrity.share_with_workers()
     train_state = d.read_json(path / d.TRAIN_STATE, "trainer state")
     metadata = st.read_metadata(path)
     st.check_files(path, metadata)
@@ -286,4 +423,4 @@ def build_checkpointer(**kwargs: Any) -> Checkpointer:
     return Checkpointer(**kwargs)
 
 
-__all__ = ["Checkpointer", "build_checkpointer", "preflight", "RESUME_MODES"]
+__all__ = ["Checkpointer", "build_checkpointer", "preflight", "check_intact", "check_resumable", "RESUME_MODES"]

@@ -4,8 +4,8 @@ Tensors (model parameters and optimizer state, FSDP2 DTensors) go through
 ``torch.distributed.checkpoint`` so a checkpoint saved on one layout loads on another (DCP reshards).
 Everything else is JSON: trainer counters, LR scheduler, data loader, the optimizer's non-tensor
 param-group options, and per-rank RNG states. Nothing we write is a pickle, and the DCP state dict
-holds tensors only, so loading never unpickles a value (DCP itself still unpickles its
-``.metadata`` index).
+holds tensors only, so loading never unpickles a value; DCP's own ``.metadata`` index is read with an
+allow-list unpickler (``safe_metadata``), so a crafted checkpoint cannot run code.
 """
 
 from __future__ import annotations
@@ -93,13 +93,15 @@ def model_template(model: nn.Module, metadata) -> dict[str, torch.Tensor]:
 
 # ---- checks before loading ----------------------------------------------------------------------
 def read_metadata(path: Path):
-    from torch.distributed.checkpoint import FileSystemReader
+    from hyperpar.checkpoint.safe_metadata import read_metadata_file
 
     meta_file = path / ".metadata"
     if not meta_file.is_file():
         raise CheckpointError(f"checkpoint '{path}' has no .metadata (not a torch.distributed.checkpoint directory)")
     try:
-        return FileSystemReader(str(path)).read_metadata()
+        return read_metadata_file(path)
+    except CheckpointError:
+        raise
     except Exception as e:  # noqa: BLE001 - an unreadable index is a damaged checkpoint, whatever the error type
         raise CheckpointError(f"checkpoint '{path}': .metadata is corrupt or truncated ({type(e).__name__}: {e})") from None
 
@@ -164,10 +166,12 @@ def load_tensors(path: Path, tensors: dict[str, dict[str, torch.Tensor]], *, no_
 
     import torch.distributed.checkpoint as dcp
 
+    from hyperpar.checkpoint.safe_metadata import SafeFileSystemReader
+
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(tensors, checkpoint_id=str(path), no_dist=no_dist)
+            dcp.load(tensors, storage_reader=SafeFileSystemReader(str(path)), no_dist=no_dist)
     except CheckpointError:
         raise
     except Exception as e:  # noqa: BLE001 - DCP wraps per-rank read errors in its own exception types

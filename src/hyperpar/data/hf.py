@@ -134,11 +134,57 @@ def _quiet_datasets() -> Iterator[None]:
 
     was_enabled = datasets.is_progress_bar_enabled()
     datasets.disable_progress_bars()
+    # datasets logs a failed read itself (twice, through Hydra's root handler); our DataError says it once.
+    ds_log = logging.getLogger("datasets")
+    level = ds_log.level
+    ds_log.setLevel(logging.CRITICAL)
     try:
         yield
     finally:
+        ds_log.setLevel(level)
         if was_enabled:
             datasets.enable_progress_bars()
+
+
+def diagnose_json(files: list[str]) -> DataError | None:
+    """After datasets failed (or a string would not decode): the first empty file, non-UTF-8 byte or
+    invalid JSON line, named by file and line. Reads the files only on this error path."""
+    for path in files:
+        records = 0
+        with open(path, "rb") as f:
+            for n, raw in enumerate(f, start=1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    return DataError(f"{path}:{n}: not UTF-8 text (byte 0x{raw[e.start]:02x} at column {e.start + 1})",
+                                     hint="re-encode the file as UTF-8")
+                if not line.strip():
+                    continue
+                try:
+                    json.loads(line)
+                except json.JSONDecodeError as e:
+                    if records == 0 and path.lower().endswith(".json"):
+                        return _diagnose_whole_json(path)  # one JSON document, not JSON lines
+                    return DataError(f"{path}:{n}: not valid JSON ({e.msg} at column {e.colno})")
+                records += 1
+        if records == 0:
+            return DataError(f"{path}: the file holds no records", hint="give a JSONL file with one JSON object per line")
+    return None
+
+
+def _diagnose_whole_json(path: str) -> DataError | None:
+    try:
+        json.loads(Path(path).read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        return DataError(f"{path}:{e.lineno}: not valid JSON ({e.msg} at column {e.colno})")
+    return None
+
+
+def _json_files(options: dict[str, Any]) -> list[str]:
+    path = resolve_path(options.get("path")) if options.get("path") else None
+    files = _local_files(path) if path else None
+    fmt = options.get("format")
+    return [f for f in files or [] if (fmt or _format_of(f)) == "json"]
 
 
 def load_records(options: dict[str, Any], cache_dir: str) -> Any:
@@ -174,6 +220,9 @@ def load_records(options: dict[str, Any], cache_dir: str) -> Any:
     except DataError:
         raise
     except Exception as e:  # noqa: BLE001 - datasets raises many types; all mean "cannot read this data"
+        found = diagnose_json(_json_files(options))
+        if found is not None:
+            raise found from None
         raise DataError(f"cannot load dataset {raw!r}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
     max_samples = options.get("max_samples")
     if max_samples is not None:
@@ -411,6 +460,15 @@ def tokenized_docs(options: dict[str, Any], ctx: DataContext) -> TokenizedDocs:
 
 
 def _build(options: dict[str, Any], datasets_cache: str) -> TokenizedDocs:
+    try:
+        return _build_docs(options, datasets_cache)
+    except UnicodeDecodeError as e:
+        # Arrow keeps invalid UTF-8 as is: it surfaces only when a string is read, while tokenizing.
+        found = diagnose_json(_json_files(options))
+        raise (found or DataError(f"{options.get('path')}: not UTF-8 text ({e.reason})")) from None
+
+
+def _build_docs(options: dict[str, Any], datasets_cache: str) -> TokenizedDocs:
     extra = options.get("extra") or {}
     tokenizer = load_tokenizer(options.get("tokenizer"))
     ds = load_records(options, datasets_cache)

@@ -17,6 +17,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from hyperpar.data.megatron.blend import is_number
 from hyperpar.data.registry import DataContext, register_dataset
 from hyperpar.errors import DataError
 
@@ -42,16 +43,8 @@ def _blend(blend: Any) -> Any:
             entry = dict(entry)
             out.append({**entry, "prefix": _expand(entry["prefix"])} if "prefix" in entry else entry)
         else:
-            out.append(entry if _is_number(str(entry)) else _expand(entry))
+            out.append(entry if is_number(str(entry)) else _expand(entry))
     return out
-
-
-def _is_number(word: str) -> bool:
-    try:
-        float(word)
-    except ValueError:
-        return False
-    return True
 
 
 @register_dataset("megatron", fields=("prefix", "blend", "split", "tokenizer", "cache_dir"),

@@ -57,9 +57,12 @@ def _encode_batch(batch: tuple[int, list[bytes]]) -> tuple[np.ndarray, np.ndarra
     texts = []
     for n, raw in enumerate(lines, start=first_line):
         try:
-            record = json.loads(raw)
+            record = json.loads(raw.decode("utf-8"))
+        except UnicodeDecodeError as e:
+            raise DataError(f"{path}:{n}: not UTF-8 text (byte 0x{raw[e.start]:02x} at column {e.start + 1})",
+                            hint="re-encode the file as UTF-8") from None
         except json.JSONDecodeError as e:
-            raise DataError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+            raise DataError(f"{path}:{n}: not valid JSON ({e.msg} at column {e.colno})") from None
         if not isinstance(record, dict) or key not in record:
             raise DataError(f"{path}:{n}: no {key!r} field", hint="choose the field with --json-key")
         if not isinstance(record[key], str):
@@ -111,6 +114,7 @@ def convert(input_path: str, tokenizer_dir: str, output_prefix: str, json_key: s
     bar = tqdm(total=os.path.getsize(input_path), unit="B", unit_scale=True, desc="convert",
                disable=not progress or os.environ.get("HYPERPAR_NO_BAR") == "1")
     pool = None
+    finished = False
     try:
         if workers > 1:
             pool = get_context("spawn").Pool(workers, _init_worker, (tokenizer_dir, options))
@@ -133,10 +137,13 @@ def convert(input_path: str, tokenizer_dir: str, output_prefix: str, json_key: s
                 docs += 1
                 tokens += ids.size
             bar.update(nbytes)
+        finished = True
     finally:
         if pool is not None:
             pool.terminate()
         bar.close()
+        if not finished:  # a bad line, Ctrl-C, a full disk: leave no partial .bin.tmp<pid>
+            builder.abort()
     builder.finalize(get_idx_path(output_prefix))
     return {"documents": docs, "tokens": tokens}
 
@@ -160,6 +167,9 @@ def main(argv: list[str] | None = None) -> int:
                          max(1, args.workers), args.add_special_tokens, progress=not args.quiet)
     except HyperparError as e:
         print(e.one_line(), file=sys.stderr)
+        return 2
+    except OSError as e:  # a full disk or an unwritable output: one line, like the errors above
+        print(DataError(f"{e.filename or args.output_prefix}: {e.strerror or e}").one_line(), file=sys.stderr)
         return 2
     print(f"wrote {args.output_prefix}.bin/.idx: {counts['documents']} documents, "
           f"{counts['tokens']} tokens in {time.perf_counter() - t0:.1f}s", file=sys.stderr)

@@ -298,6 +298,12 @@ class IndexedDatasetBuilder:
         with open(get_bin_path(path_prefix), "rb") as src:
             shutil.copyfileobj(src, self._bin, 16 << 20)
 
+    def abort(self) -> None:
+        """A failed build: close and remove the temporary .bin (no ``*.bin.tmp<pid>`` left behind)."""
+        self._bin.close()
+        if os.path.exists(self._tmp_bin):
+            os.unlink(self._tmp_bin)
+
     def finalize(self, idx_path: str) -> None:
         """Close the .bin and write the .idx (to a temporary name first, so no half index is ever seen)."""
         self._bin.close()
