@@ -139,7 +139,8 @@ def test_bf16_close_to_transformers() -> None:
         ref = hf(input_ids=ids, use_cache=False).logits
         got = ours(ids)
     assert got.dtype == torch.bfloat16
-    assert (got.float() - ref.float()).abs().max().item() <= 0.03
+    # Measured 0.0059 (max |logit| 0.80; torch 2.13 CPU, seeds 2-5: 0.0059-0.0068): 2x that.
+    assert (got.float() - ref.float()).abs().max().item() <= 0.012
     assert torch.isfinite(got).all()
 
 

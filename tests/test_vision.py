@@ -82,22 +82,35 @@ def test_tower_matches_transformers_with_deepstack() -> None:
         assert (p.grad - ref_grad).abs().max().item() <= 1e-4 * max(1.0, ref_grad.abs().max().item()), name
 
 
-def test_tower_output_is_pinned() -> None:
-    """Regression pin without transformers: seeded init (as materialize does it), fixed input."""
+def test_tower_with_our_init_matches_transformers() -> None:
+    """Our seeded init (as materialize does it), copied into transformers' tower: same outputs. The
+    other tests load transformers' weights into ours; this one runs the other way, from our init."""
+    from transformers.models.qwen3_vl_moe.configuration_qwen3_vl_moe import Qwen3VLMoeVisionConfig
+    from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import Qwen3VLMoeVisionModel
+
     from hyperpar.distributed.materialize import param_generator
 
     args = VisionArgs.from_hf_config(VL_MOE_VISION)
-    tower = VisionTower(args)
+    with torch.device("meta"):
+        ours = VisionTower(args)
+    ours.to_empty(device="cpu")
     with torch.no_grad():
-        for name, p in tower.named_parameters():
+        for name, p in ours.named_parameters():
             full = torch.empty(p.shape)
-            tower.init_param(name, full, param_generator(7, name))
+            ours.init_param(name, full, param_generator(7, name))
             p.copy_(full)
-        feats, deepstack = tower(_pixels(GRIDS, args.patch_dim), GRIDS)
-    assert feats.shape == (34, 64)
-    assert feats.abs().sum().item() == pytest.approx(44.90803909301758, rel=1e-5)
-    assert feats[0, :4].tolist() == pytest.approx([-0.0175484046, -0.0376613401, -0.0139807053, -0.0432781875], abs=1e-6)
-    assert deepstack[1].abs().sum().item() == pytest.approx(43.52790832519531, rel=1e-5)
+    hf = Qwen3VLMoeVisionModel(Qwen3VLMoeVisionConfig(**VL_MOE_VISION)).float().eval()
+    missing, unexpected = hf.load_state_dict(dict(ours.named_parameters()), strict=True)
+    assert not missing and not unexpected
+    px = _pixels(GRIDS, args.patch_dim)
+    with torch.no_grad():
+        feats, deepstack = ours.eval()(px, GRIDS)
+        ref = hf(px, grid_thw=GRIDS)
+    assert feats.shape == ref.pooler_output.shape == (34, 64)
+    assert feats.abs().max().item() > 1e-3  # the init is not degenerate
+    assert (feats - ref.pooler_output).abs().max().item() <= 1e-5
+    for got, want in zip(deepstack, ref.deepstack_features, strict=True):
+        assert (got - want).abs().max().item() <= 1e-5
 
 
 def test_qwen3_5_tower_is_the_same_module_without_deepstack() -> None:

@@ -30,12 +30,17 @@ def _equal(a: dict, b: dict) -> bool:
 
 
 def test_samples_are_pure_functions_of_seed_and_index() -> None:
+    # Two datasets built independently, read in different orders (one forwards, one backwards and
+    # with repeats): a sample that depended on state carried between calls would differ.
     s1, s2 = source(), source()
-    for i in (0, 5, 63):
-        assert _equal(s1[i], s2[i])
-        assert _equal(s1[i], s1[i])  # no state carried between calls
-    assert not _equal(s1[0], s1[1])
-    assert not _equal(s1[3], source(seed=1)[3])
+    indices = [0, 5, 63, 17, 5]
+    first = {i: s1[i] for i in indices}
+    for i in reversed(indices):
+        assert _equal(first[i], s2[i]), i
+        s2[(i * 7 + 3) % 64]  # an unrelated read in between
+    assert _equal(first[5], s1[5])  # read again after other samples
+    assert not _equal(first[0], s2[1])
+    assert not _equal(first[17], source(seed=1)[17])
 
 
 def _runs(mask: torch.Tensor) -> list[tuple[int, int]]:

@@ -217,6 +217,18 @@ def launch_workers(cfg: DictConfig, run_dir: str) -> dict[str, Any]:
     return results[0]
 
 
+def _max_restarts_note(cfg: DictConfig) -> str | None:
+    """Restarts are the elastic launcher's job: say so when ours is not the one starting the workers."""
+    n = int(cfg.launch.max_restarts)
+    if n <= 0 or (under_torchrun() and int(os.environ.get("RANK", 0)) != 0):
+        return None
+    if under_torchrun():
+        return f"launch.max_restarts={n} has no effect under an external torchrun (use torchrun --max-restarts={n})"
+    if int(cfg.parallel.world_size) == 1:
+        return f"launch.max_restarts={n} has no effect with one process (restarts need parallel.world_size > 1)"
+    return None
+
+
 _started: set[str] = set()  # run dirs this process began writing a job into (so it may record its failure)
 
 
@@ -240,6 +252,9 @@ def _run_job_locked(cfg: DictConfig, run_dir: str) -> dict[str, Any]:
 
     preflight(cfg, run_dir)  # a bad load_path / damaged or foreign checkpoint fails here, before any worker
     _started.add(str(Path(run_dir).resolve()))
+    restarts_note = _max_restarts_note(cfg)
+    if restarts_note:
+        print(f"[hyperpar] {restarts_note}", file=sys.stderr)
     if under_torchrun():
         return worker_main(cfg, run_dir)
     # A resumed run reuses its run dir: an error file of an earlier invocation must not be reported as this one's.
