@@ -98,3 +98,99 @@ def hf_named_grads(model) -> dict:
 
     adapter = spec_of_model(model).adapter(model.args)
     return dict(join_parts(kv for n, p in model.named_parameters() for kv in adapter.export_param(n, p.grad).items()))
+
+
+def perturb_(model, seed: int):
+    """A transformers model's zero- or one-initialised tensors (offset norms, GDN decays, routers,
+    the vision LayerNorms around (1, 0)) set to noise, so a wrong norm or layout cannot hide."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen) * 0.3
+            if "visual" in name and "norm" in name:
+                p.copy_((1.0 if name.endswith("weight") else 0.0) + noise)
+            elif "norm" in name or "A_log" in name or "dt_bias" in name or name.endswith("mlp.gate.weight"):
+                p.copy_(noise)
+    return model
+
+
+def vl_inputs(rows: list[list], *, patch_dim: int, merge: int, ids: tuple[int, int, int, int], seed: int = 0) -> dict:
+    """A VL batch as the Qwen-VL processor lays it out (MODELS.md 9.1). Each row lists items: an int
+    (that many random text ids < 900), ("image", (t, h, w)) or ("video", (t, h, w)) in patches; rows
+    are right-filled with text to one length. ``ids`` = (image, video, vision start, vision end).
+    Returns input_ids, labels (placeholders -100), mm_token_type_ids and the pixel values / grids of
+    each modality present, items in row-major order."""
+    import torch
+
+    img, vid, vs, ve = ids
+    g = torch.Generator().manual_seed(seed)
+    seqs, types, grids = [], [], {"image": [], "video": []}
+    for row in rows:
+        seq, typ = [], []
+        for item in row:
+            if isinstance(item, int):
+                seq += torch.randint(0, 900, (item,), generator=g).tolist()
+                typ += [0] * item
+                continue
+            kind, (t, h, w) = item
+            grids[kind].append([t, h, w])
+            n = h * w // merge**2
+            groups = [(img, 1, t * n)] if kind == "image" else [(vid, 2, n)] * t
+            for k, (token, code, count) in enumerate(groups):
+                stamp = [100 + k, 101 + k] if kind == "video" else []  # the timestamp text of a frame group
+                seq += stamp + [vs] + [token] * count + [ve]
+                typ += [0] * (len(stamp) + 1) + [code] * count + [0]
+        seqs.append(seq)
+        types.append(typ)
+    S = max(len(s) for s in seqs)
+    for seq, typ in zip(seqs, types):
+        fill = S - len(seq)
+        seq += torch.randint(0, 900, (fill,), generator=g).tolist()
+        typ += [0] * fill
+    input_ids = torch.tensor(seqs)
+    mm = torch.tensor(types, dtype=torch.int32)
+    out = {"input_ids": input_ids, "labels": input_ids.masked_fill(mm != 0, -100), "mm_token_type_ids": mm}
+    for kind, key in (("image", "pixel_values"), ("video", "pixel_values_videos")):
+        if grids[kind]:
+            grid = torch.tensor(grids[kind])
+            out[key] = torch.randn(int(grid.prod(-1).sum()), patch_dim, generator=g)
+            out[f"{kind}_grid_thw"] = grid
+    return out
+
+
+def run_entry(module: str, args: list[str], capfd) -> tuple[int, list[str]]:
+    """Run a console entry point (``hyperpar``, ``hyperpar.export``, ``hyperpar.data.megatron.convert``)
+    in this process, as its ``python -m`` would: (exit code, non-empty stdout + stderr lines).
+    In-process keeps a table of bad-input cases fast (torch and Hydra are imported once)."""
+    import importlib
+    import logging
+
+    capfd.readouterr()
+    saved_argv = sys.argv
+    sys.argv = [module, *args]
+    code = 0
+    try:
+        if module == "hyperpar":
+            from hyperpar.cli import cli
+
+            cli()
+        else:
+            code = int(importlib.import_module(module).main(args) or 0)
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except Exception:  # noqa: BLE001 - an escaped exception is what `python -m` would print as a traceback
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    finally:
+        sys.argv = saved_argv
+        from hydra.core.global_hydra import GlobalHydra
+
+        GlobalHydra.instance().clear()
+        for h in list(logging.getLogger().handlers):  # Hydra's job logging: one run's handlers, not the next's
+            logging.getLogger().removeHandler(h)
+    out = capfd.readouterr()
+    return code, [ln for ln in (out.out + out.err).splitlines() if ln.strip()]

@@ -236,7 +236,7 @@ def test_from_hf_reads_vl_layout_and_transposed_experts(tmp_path: Path) -> None:
     from hyperpar.models.build import ModelBuilder
     from hyperpar.distributed.materialize import materialize
 
-    builder = ModelBuilder(name="qwen3_5_moe", hf_path=str(tmp_path))
+    builder = ModelBuilder(name="qwen3_5_moe", hf_path=str(tmp_path), text_only=True)
     model = materialize(builder.build_meta(), torch.device("cpu"), seed=0, source=builder.weight_source())
     ids = ids_for(24)
     with torch.no_grad():
@@ -539,7 +539,7 @@ def test_vl_export_import_and_text_family_reads_vl_checkpoint(tmp_path: Path) ->
     from hyperpar.distributed.materialize import materialize
     from hyperpar.models.build import ModelBuilder
 
-    builder = ModelBuilder(name="qwen3_5_moe", hf_path=str(tmp_path / "hf"))
+    builder = ModelBuilder(name="qwen3_5_moe", hf_path=str(tmp_path / "hf"), text_only=True)
     text_model = materialize(builder.build_meta(), torch.device("cpu"), seed=0, source=builder.weight_source())
     ids = vl_batches()["text"]["input_ids"]
     with torch.no_grad():

@@ -64,6 +64,14 @@ class ModelConfig:
     load_weights: bool = True  # with hf_path: load its weights (false: geometry only, fresh init)
     mtp_loss_weight: float = 0.0  # > 0: train the MTP head (Qwen3.5-MoE families only)
     default_data: Optional[str] = None  # the data.type that data=auto (the default) trains on; None: the family's
+    # VL checkpoint into a text model group: only when asked; the vision tower is left out (one line).
+    text_only: bool = False
+    # Load a checkpoint holding tensors the model does not read (named in one line) instead of refusing it.
+    allow_unused_weights: bool = False
+    # Geometry on top of hf_path's config.json (or the flavour): a stack is cut to its first N entries.
+    num_hidden_layers: Optional[int] = None  # short for overrides.num_hidden_layers
+    overrides: dict = field(default_factory=dict)  # text fields; vision.* for the tower (e.g. vision.depth)
+
 
 
 @dataclass

@@ -6,10 +6,12 @@ load) touches only what it needs; ``from_hf`` builds the model on meta and fills
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
 import re
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import torch
 from safetensors import safe_open
@@ -17,7 +19,9 @@ from safetensors.torch import save_file
 from torch import nn
 
 from hyperpar.errors import CheckpointError
-from hyperpar.models.spec import ModelSpec, spec_for_hf_config, spec_of_model
+from hyperpar.models.spec import ModelSpec, registered_models, spec_for_hf_config, spec_of_model
+
+log = logging.getLogger(__name__)
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -126,13 +130,23 @@ def _list(items: list[str], n: int = 3) -> str:
     return ", ".join(items[:n]) + more
 
 
-def check_checkpoint(model: nn.Module, adapter: Any, ckpt: HFCheckpoint) -> None:
-    """Raise one CheckpointError naming the first missing / wrongly shaped tensors, before any load."""
+def check_checkpoint(model: nn.Module, adapter: Any, ckpt: HFCheckpoint) -> set[str]:
+    """Raise one CheckpointError naming the first missing / wrongly shaped tensors, before any load.
+
+    Returns the checkpoint keys the model reads (headers only: nothing is loaded)."""
     missing: list[str] = []
     wrong: list[str] = []
-    for name, p in model.named_parameters():
+    used: set[str] = set()
+
+    def read_meta(key: str) -> torch.Tensor:
+        t = ckpt.read_meta(key)
+        used.add(key)
+        return t
+
+    # remove_duplicate=False: a tied lm_head still reads its own key when the file has one
+    for name, p in model.named_parameters(remove_duplicate=False):
         try:
-            t = adapter.load_param(name, ckpt.read_meta)
+            t = adapter.load_param(name, read_meta)
         except (CheckpointError, KeyError):
             missing.append(name)
             continue
@@ -148,20 +162,106 @@ def check_checkpoint(model: nn.Module, adapter: Any, ckpt: HFCheckpoint) -> None
             f"'{ckpt.path}' does not match the model config: {'; '.join(parts)}",
             hint="is config.json from the same checkpoint as the weights?",
         )
+    return used
 
 
-def from_hf(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> nn.Module:
-    """Build the model a Hugging Face directory describes and load its weights (cast to ``dtype``)."""
+def audit_checkpoint(
+    model: nn.Module,
+    adapter: Any,
+    ckpt: HFCheckpoint,
+    *,
+    left_out: Sequence[tuple[str, str]] = (),
+    allow_unused: bool = False,
+) -> str | None:
+    """Check shapes (``check_checkpoint``) and that the model reads every tensor of the checkpoint.
+
+    ``left_out``: (key prefix, what it is) pairs the caller chose to leave out (the vision tower of a
+    text-only load, the layers an override cut). Any other unread tensor is refused with one
+    CheckpointError naming a few, unless ``allow_unused``. Returns one line saying what was left
+    out (None when the model reads everything); the caller logs it.
+    """
+    used = check_checkpoint(model, adapter, ckpt)
+    unused = [k for k in ckpt.keys() if k not in used]
+    groups: dict[str, list[str]] = {}
+    unknown: list[str] = []
+    for key in unused:
+        label = next((lab for prefix, lab in left_out if key.startswith(prefix)), None)
+        if label is None:
+            unknown.append(key)
+        else:
+            groups.setdefault(label, []).append(key)
+    if unknown and not allow_unused:
+        raise CheckpointError(
+            f"'{ckpt.path}' holds {len(unknown)} tensors the model does not use: {_list(unknown)}",
+            hint="is config.json from the same checkpoint as the weights? model.allow_unused_weights=true "
+            "(from_hf(..., allow_unused=True)) loads without them",
+        )
+    if unknown:
+        groups[f"unused ({_list(unknown)})"] = unknown
+    if not groups:
+        return None
+    parts = ", ".join(f"{label} ({len(keys)} tensors)" for label, keys in groups.items())
+    return f"'{ckpt.path}': left out {len(unused)} of {len(ckpt.keys())} checkpoint tensors: {parts}"
+
+
+def is_vl_config(config: dict[str, Any]) -> bool:
+    """A composite vision-language config.json (``vision_config``, or a ``*ForConditionalGeneration``)."""
+    archs = config.get("architectures") or []
+    return isinstance(config.get("vision_config"), dict) or any(str(a).endswith("ForConditionalGeneration") for a in archs)
+
+
+def is_vl_spec(spec: ModelSpec) -> bool:
+    return any(f.name == "vision" for f in dataclasses.fields(spec.args_cls))
+
+
+def spec_for_checkpoint(config: dict[str, Any], text_only: bool = False) -> ModelSpec:
+    """The family that reads a config.json: its VL form for a VL checkpoint, or with ``text_only``
+    the text family of the same ``model_type``."""
+    spec = spec_for_hf_config(config)
+    if not is_vl_config(config):
+        return spec
+    model_type = str(config.get("model_type", ""))
+    candidates = [s for s in registered_models().values() if model_type in s.hf_model_types]
+    if text_only:
+        text = next((s for s in candidates if not is_vl_spec(s)), None)
+        if text is None:
+            raise CheckpointError(f"model_type '{model_type}' has no text-only model", hint="load it without text_only")
+        return text
+    if is_vl_spec(spec):
+        return spec
+    return next((s for s in candidates if is_vl_spec(s)), spec)
+
+
+TEXT_ONLY_LEFT_OUT = (("model.visual.", "the vision tower"), ("mtp.", "the MTP module"))
+
+
+def from_hf(
+    path: str | Path,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    *,
+    text_only: bool = False,
+    allow_unused: bool = False,
+) -> nn.Module:
+    """Build the model a Hugging Face directory describes and load its weights (cast to ``dtype``).
+
+    A VL checkpoint builds the VL model; ``text_only=True`` builds its text model and leaves the
+    vision tower out (logged in one line). A checkpoint tensor the model does not read is a
+    CheckpointError unless ``allow_unused=True`` (then logged).
+    """
     with HFCheckpoint(path) as ckpt:
         model_type = ckpt.config.get("model_type")
         if not model_type:
             raise CheckpointError(f"'{ckpt.path}/config.json' has no model_type")
-        spec = spec_for_hf_config(ckpt.config)
+        spec = spec_for_checkpoint(ckpt.config, text_only)
         args = spec.args_cls.from_hf_config(ckpt.config)
         with torch.device("meta"):
             model = spec.model_cls(args)
         adapter = spec.adapter(args)
-        check_checkpoint(model, adapter, ckpt)
+        left_out = TEXT_ONLY_LEFT_OUT if text_only and is_vl_config(ckpt.config) else ()
+        note = audit_checkpoint(model, adapter, ckpt, left_out=left_out, allow_unused=allow_unused)
+        if note:
+            log.warning("%s", note)
         model.to(dtype)
         model.to_empty(device=device)
         model.init_buffers()
@@ -252,4 +352,4 @@ def to_hf(model: nn.Module, path: str | Path, max_shard_size: int | str = "2GB")
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
-__all__ = ["HFCheckpoint", "MissingKeyError", "check_checkpoint", "from_hf", "parse_size", "to_hf"]
+__all__ = ["HFCheckpoint", "MissingKeyError", "check_checkpoint", "from_hf", "hf_state_dict", "parse_size", "to_hf"]
