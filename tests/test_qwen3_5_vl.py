@@ -343,3 +343,26 @@ def test_layer_override_of_a_checkpoint_trains(tmp_path: Path) -> None:
     assert len(losses) == 3 and all(v == v for v in losses.values())
     res = cli_small(tmp_path / "bad", ["model=qwen3_5", f"model.hf_path={d}"], steps=1)
     assert "vision-language checkpoint" in one_error_line(res)
+
+
+def test_override_cuts_mtp_and_deepstack_with_their_stacks() -> None:
+    from fixtures import qwen3_5_moe_vl, qwen3_vl_moe
+
+    from hyperpar.models.geometry_overrides import apply_overrides, check_applied
+    from hyperpar.models.qwen3_5_moe import Qwen3_5MoeVLArgs
+    from hyperpar.models.qwen3_vl_moe import Qwen3VLMoeArgs
+
+    moe = qwen3_5_moe_vl(mtp_num_hidden_layers=2)
+    cfg, left = apply_overrides(moe, {"mtp_num_hidden_layers": 1, "num_hidden_layers": 3}, loading=True)
+    args = Qwen3_5MoeVLArgs.from_hf_config(cfg)
+    check_applied(args, {"mtp_num_hidden_layers": 1, "num_hidden_layers": 3})
+    assert args.text.mtp_num_hidden_layers == 1 and len(args.text.layer_types) == 3
+    assert ("mtp.layers.1.", "MTP layers 1-1") in left and ("model.language_model.layers.3.", "text layers 3-3") in left
+    assert apply_overrides(moe, {"mtp_num_hidden_layers": 0}, loading=True)[1] == [("mtp.", "the MTP module")]
+
+    vl = qwen3_vl_moe()  # DeepStack on blocks [0, 2] of 3
+    cfg, left = apply_overrides(vl, {"vision": {"depth": 2}}, loading=True)
+    assert Qwen3VLMoeArgs.from_hf_config(cfg).vision.deepstack_visual_indexes == [0]
+    assert ("model.visual.deepstack_merger_list.1.", "DeepStack mergers") in left
+    with pytest.raises(ConfigError, match="more than the checkpoint's 3"):
+        apply_overrides(vl, {"vision": {"depth": 4}}, loading=True)
