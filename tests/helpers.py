@@ -3,6 +3,7 @@ subprocess, read what a run wrote. The tiny configs themselves live in fixtures.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -194,3 +195,36 @@ def run_entry(module: str, args: list[str], capfd) -> tuple[int, list[str]]:
             logging.getLogger().removeHandler(h)
     out = capfd.readouterr()
     return code, [ln for ln in (out.out + out.err).splitlines() if ln.strip()]
+
+
+# Observations of a run made from inside the worker (see ProbeTrainer), keyed by run dir.
+PROBES: dict[str, dict] = {}
+
+
+@functools.lru_cache(maxsize=None)
+def _probe_trainer_cls():
+    from hyperpar.train.trainer import Trainer
+
+    class ProbeTrainer(Trainer):
+        """The real Trainer, recording what the worker built for it (``trainer._target_=helpers.ProbeTrainer``)."""
+
+        def __init__(self, **kwargs):
+            import torch
+
+            super().__init__(**kwargs)
+            PROBES[str(kwargs["run_dir"])] = {
+                "threads": torch.get_num_threads(),
+                "deterministic": torch.are_deterministic_algorithms_enabled(),
+                # fully_shard renames a wrapped class FSDP<name>
+                "checkpointed_blocks": sum("CheckpointWrapper" in type(m).__name__ for m in self.model.modules()),
+                "peak_flops": self.peak_flops,
+            }
+
+    return ProbeTrainer
+
+
+def __getattr__(name: str):
+    # Built lazily so importing helpers does not import torch and the trainer.
+    if name == "ProbeTrainer":
+        return _probe_trainer_cls()
+    raise AttributeError(name)

@@ -78,6 +78,9 @@ def _task(cfg: DictConfig) -> float | None:
     rank0 = int(os.environ.get("RANK", 0)) == 0 or not under_torchrun()
     try:  # outside the job's try: a parity sweep keeps going on job errors, this one must stop it
         check_attached(cfg.parity, hc.callbacks)
+        if cfg.get("run_dir") is not None:  # the driver sets it to Hydra's output dir below
+            raise ConfigError("run_dir is set by the driver (the run's output dir)",
+                              hint="choose it with hydra.run.dir=... (hydra.sweep.dir with -m)")
     except HyperparError as e:
         _error(e)
     try:

@@ -53,11 +53,11 @@ class MetricsWriter:
         if not self.active:
             return
         self._file = open(self.run_dir / "metrics.jsonl", "a", buffering=1)
-        if progress_bar:
+        if progress_bar and os.environ.get("HYPERPAR_NO_BAR") != "1":  # the variable: log lines instead (CI, tests)
             from tqdm import tqdm
 
             self._bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True,
-                             file=sys.stderr, disable=os.environ.get("HYPERPAR_NO_BAR") == "1")
+                             file=sys.stderr)
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
