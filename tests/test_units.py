@@ -30,8 +30,23 @@ def test_bad_degrees(kw, msg):
 
 def test_model_divisibility_checks():
     p = ParallelDims(world_size=4, dp_shard=1, tp=4)
-    with pytest.raises(PlanError, match="key/value heads 2 not divisible by tp 4"):
-        p.check_model({"num_attention_heads": 8, "num_key_value_heads": 2}, seq_len=128, global_batch_size=8, micro_batch_size=1)
+    # fewer KV heads than tp: replicated (each rank keeps the KV head its query heads read) ...
+    p.check_model({"num_attention_heads": 8, "num_key_value_heads": 2}, seq_len=128, global_batch_size=8, micro_batch_size=1)
+    # ... unless replication is disabled, or the KV heads cannot be spread evenly
+    with pytest.raises(PlanError, match="replicate_kv_heads=false"):
+        ParallelDims(world_size=4, dp_shard=1, tp=4, replicate_kv_heads=False).check_model(
+            {"num_attention_heads": 8, "num_key_value_heads": 2}, seq_len=128, global_batch_size=8, micro_batch_size=1)
+    with pytest.raises(PlanError, match="key/value heads 3 cannot be split over tp 4"):
+        p.check_model({"num_attention_heads": 12, "num_key_value_heads": 3}, seq_len=128, global_batch_size=8, micro_batch_size=1)
+    with pytest.raises(PlanError, match="attention heads 4 not divisible by tp 3"):
+        ParallelDims(world_size=3, dp_shard=1, tp=3).check_model(
+            {"num_attention_heads": 4, "num_key_value_heads": 1}, seq_len=129, global_batch_size=8, micro_batch_size=1)
+    with pytest.raises(PlanError, match="seq_len .* not divisible by tp 4"):
+        p.check_model({"num_attention_heads": 8}, seq_len=130, global_batch_size=8, micro_batch_size=1)
+    ParallelDims(world_size=4, dp_shard=1, tp=4, sequence_parallel=False).check_model(
+        {"num_attention_heads": 8}, seq_len=130, global_batch_size=8, micro_batch_size=1)
+    with pytest.raises(PlanError, match="vocab size 1001 not divisible by tp 4"):
+        p.check_model({"vocab_size": 1001}, seq_len=128, global_batch_size=8, micro_batch_size=1)
     p = ParallelDims(world_size=2, dp_shard=2)
     with pytest.raises(PlanError, match="global_batch_size 6"):
         p.check_model({}, seq_len=128, global_batch_size=6, micro_batch_size=2)

@@ -31,6 +31,7 @@ class TrainConfig:
     max_grad_norm: float = 1.0  # <= 0 disables clipping
     mixed_precision: MixedPrecisionConfig = field(default_factory=MixedPrecisionConfig)
     activation_checkpoint: str = "none"  # none | full | selective
+    loss_parallel: Optional[bool] = None  # vocab-sharded cross-entropy under tp; None: on when tp > 1
     log_every: int = 1  # console / progress-bar line every N steps; metrics.jsonl still gets every step
     # torch.use_deterministic_algorithms (warn-only) + CUBLAS_WORKSPACE_CONFIG + no cuDNN autotuning:
     # the same run repeats bitwise on GPU/NPU too, a little slower (CPU kernels are deterministic anyway).
@@ -53,6 +54,11 @@ class ParallelConfig:
     pp: int = 1
     vpp: int = 1
     pp_schedule: str = "1F1B"  # gpipe | 1f1b | interleaved_1f1b | zero_bubble (case-insensitive; used when pp > 1)
+    # tensor parallel: norms/residuals sequence-sharded over tp; vision tower TP'd (else replicated);
+    # fewer KV heads than tp: replicate k/v projections (each rank keeps the KV head it reads)
+    sequence_parallel: bool = True
+    vision_tp: bool = False
+    replicate_kv_heads: bool = True
 
 
 @dataclass
@@ -71,7 +77,6 @@ class ModelConfig:
     # Geometry on top of hf_path's config.json (or the flavour): a stack is cut to its first N entries.
     num_hidden_layers: Optional[int] = None  # short for overrides.num_hidden_layers
     overrides: dict = field(default_factory=dict)  # text fields; vision.* for the tower (e.g. vision.depth)
-
 
 
 @dataclass
@@ -194,13 +199,6 @@ def validate_schema(cfg: DictConfig) -> DictConfig:
     return merged
 
 
-def to_yaml(cfg: DictConfig) -> str:
-    return OmegaConf.to_yaml(cfg, resolve=True)
-
-
-def dtype_of(name: str):
-    import torch
-
 # ---- values the schema's types cannot reject ----------------------------------------------------
 # (key, test, what it must be). A key the schema lacks (a field renamed elsewhere) is skipped.
 def _finite(v: Any) -> bool:
@@ -265,6 +263,13 @@ def check_values(cfg: DictConfig, *, warn: bool = True) -> DictConfig:
         print("[hyperpar] warning: optim.lr=0: the weights will not change", file=sys.stderr)
     return cfg
 
+
+def to_yaml(cfg: DictConfig) -> str:
+    return OmegaConf.to_yaml(cfg, resolve=True)
+
+
+def dtype_of(name: str):
+    import torch
 
     table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
              "float16": torch.float16, "fp16": torch.float16}

@@ -34,7 +34,7 @@ def apply_fsdp(
         # The last block's params are needed right away by backward; keeping them saves one all-gather.
         fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward and i < len(blocks) - 1)
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
-    # Loss is a sum over the global batch divided by the global token count (see train/loss.py), so
+    # Loss is a sum over the global batch divided by the global token count (see train/objective.py), so
     # gradients must be summed over data-parallel ranks, not averaged.
     for module in model.modules():
         if isinstance(module, FSDPModule):  # the setting is per FSDP unit

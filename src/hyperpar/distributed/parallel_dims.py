@@ -15,7 +15,7 @@ from hyperpar.errors import PlanError
 AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 # Degrees > 1 on these axes are validated but not built yet; the driver rejects them up front.
-NOT_SUPPORTED_YET = ("tp", "cp", "ep", "pp")
+NOT_SUPPORTED_YET = ("cp", "ep", "pp")
 
 
 @dataclass
@@ -30,6 +30,9 @@ class ParallelDims:
     vpp: int = 1
     name: str = "custom"
     pp_schedule: str = "1F1B"
+    sequence_parallel: bool = True
+    vision_tp: bool = False
+    replicate_kv_heads: bool = True
     _mesh: Any = field(default=None, repr=False, compare=False)
     _flat: dict = field(default_factory=dict, repr=False, compare=False)
 
@@ -71,7 +74,7 @@ class ParallelDims:
         if bad:
             raise PlanError(
                 f"not supported yet: {', '.join(bad)} (layout '{self.name}')",
-                hint="this build trains DDP/FSDP/HSDP layouts; tensor/context/expert/pipeline parallel come later",
+                hint="this build trains DDP/FSDP/HSDP with tensor (+sequence) parallel; context/expert/pipeline parallel come later",
             )
 
     def check_model(self, geometry: dict[str, int], *, seq_len: int, global_batch_size: int, micro_batch_size: int) -> None:
@@ -82,17 +85,30 @@ class ParallelDims:
             if value and by > 1 and value % by:
                 problems.append(f"{what} {value} not divisible by {axis} {by}")
 
-        need(geometry.get("num_attention_heads", 0), self.tp, "attention heads", "tp")
-        need(geometry.get("num_key_value_heads", 0), self.tp, "key/value heads", "tp")
-        need(geometry.get("linear_num_key_heads", 0), self.tp, "linear-attention key heads", "tp")
-        need(geometry.get("linear_num_value_heads", 0), self.tp, "linear-attention value heads", "tp")
-        need(geometry.get("vision_num_heads", 0), self.tp, "vision heads", "tp")
+        tp = self.tp
+        need(geometry.get("num_attention_heads", 0), tp, "attention heads", "tp")
+        kv = geometry.get("num_key_value_heads", 0)
+        if kv and tp > 1 and kv % tp:
+            if kv > tp or tp % kv:
+                problems.append(f"key/value heads {kv} cannot be split over tp {tp} (neither divisible by tp nor a divisor of it)")
+            elif not self.replicate_kv_heads:
+                problems.append(f"key/value heads {kv} < tp {tp} and parallel.replicate_kv_heads=false")
+        need(geometry.get("linear_num_key_heads", 0), tp, "linear-attention key heads", "tp")
+        need(geometry.get("linear_num_value_heads", 0), tp, "linear-attention value heads", "tp")
+        if self.vision_tp:
+            need(geometry.get("vision_num_heads", 0), tp, "vision heads", "tp (parallel.vision_tp)")
+            need(geometry.get("vision_intermediate_size", 0), tp, "vision MLP intermediate size", "tp (parallel.vision_tp)")
+        need(geometry.get("vocab_size", 0), tp, "vocab size", "tp")
+        need(geometry.get("intermediate_size", 0), tp, "MLP intermediate size", "tp")
+        need(geometry.get("moe_intermediate_size", 0), tp, "expert intermediate size", "tp")
+        need(geometry.get("shared_expert_intermediate_size", 0), tp, "shared-expert intermediate size", "tp")
         need(geometry.get("num_experts", 0), self.ep, "experts", "ep")
         layers = geometry.get("num_hidden_layers", 0)
         if self.pp > 1 and layers < self.pp * self.vpp:
             problems.append(f"{layers} layers cannot fill pp {self.pp} x vpp {self.vpp} stages")
         need(seq_len, 2 * self.cp if self.cp > 1 else 1, "train.seq_len", "2*cp")
-        need(seq_len, self.tp, "train.seq_len (sequence parallel)", "tp")
+        if self.sequence_parallel:
+            need(seq_len, self.tp, "train.seq_len (sequence parallel)", "tp")
         dp = self.dp
         if global_batch_size % (micro_batch_size * dp):
             problems.append(
@@ -148,6 +164,10 @@ class ParallelDims:
         if self._mesh is None:
             raise RuntimeError("ParallelDims.build_mesh() has not been called")
         return self._mesh
+
+    def tp_mesh(self):
+        """The 1-D tensor-parallel mesh (size 1 without TP)."""
+        return self.mesh["tp"]
 
     def fsdp_mesh(self):
         """2-D (replicate, shard) mesh: one FSDP code path covers single, DDP, FSDP and HSDP."""

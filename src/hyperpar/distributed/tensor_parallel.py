@@ -37,6 +37,9 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
+__all__ = ["ParallelStyle", "Replicate", "Shard", "FullSequence", "ToSequenceShards", "apply_tensor_parallel",
+           "lm_head_plan", "mtp_plan", "text_model_plan", "use_loss_parallel", "vision_tower_plan"]
+
 
 def _replicate_params(module: nn.Module, mesh: DeviceMesh) -> None:
     for name, p in list(module.named_parameters(recurse=False)):
@@ -156,20 +159,22 @@ class ExpertTensorParallel(ParallelStyle):
 
 class FullSequence(ParallelStyle):
     """The module sees plain full tensors: DTensor inputs (sequence-sharded or replicated) are
-    gathered; the output is handed back as a replicated DTensor (``as_dtensor``) or plain."""
+    gathered. Its tensor output is handed back as given by ``out_layout``: None (plain),
+    ``Replicate()`` or ``Shard(1)`` (a DTensor)."""
 
-    def __init__(self, *, as_dtensor: bool = False) -> None:
+    def __init__(self, out_layout: Any = None) -> None:
         super().__init__()
-        self.as_dtensor = as_dtensor
+        self.out_layout = out_layout
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         def input_fn(mod: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
             return tuple(x.redistribute(mesh, [Replicate()]).to_local() if isinstance(x, DTensor) else x for x in inputs)
 
         def output_fn(mod: nn.Module, out: Any, mesh: DeviceMesh) -> Any:
-            if self.as_dtensor and isinstance(out, torch.Tensor):
-                return DTensor.from_local(out, mesh, [Replicate()], run_check=False)
-            return out
+            if self.out_layout is None or not isinstance(out, torch.Tensor):
+                return out
+            full = DTensor.from_local(out, mesh, [Replicate()], run_check=False)
+            return full if self.out_layout == Replicate() else full.redistribute(mesh, [self.out_layout])
 
         return distribute_module(module, device_mesh, None, input_fn, output_fn)
 
@@ -276,6 +281,99 @@ def moe_plan(prefix: str, *, sp: bool, shared_expert: bool) -> dict[str, Paralle
 def norm_plan(names: Sequence[str], *, sp: bool) -> dict[str, ParallelStyle]:
     """Residual-stream norms run on the sequence shard under SP (and are left alone without)."""
     return {n: SequenceParallel() for n in names} if sp else {}
+
+
+def decoder_layer_plan(prefix: str, layer: nn.Module, *, tp: int, sp: bool, replicate_kv: bool = True) -> dict[str, ParallelStyle]:
+    """The plan of one decoder layer, from the types of its children (any family's block)."""
+    from hyperpar.models.layers import Attention, GatedDeltaNet, RMSNorm, SparseMoeBlock, SwiGLUMLP
+
+    plan: dict[str, ParallelStyle] = {}
+    for name, child in layer.named_children():
+        path = f"{prefix}.{name}"
+        if isinstance(child, Attention):
+            plan.update(attention_plan(path, num_heads=child.num_heads, num_kv_heads=child.num_kv_heads,
+                                       head_dim=child.head_dim, tp=tp, sp=sp, replicate_kv=replicate_kv))
+        elif isinstance(child, GatedDeltaNet):
+            plan.update(gated_deltanet_plan(path, sp=sp))
+        elif isinstance(child, SparseMoeBlock):
+            plan.update(moe_plan(path, sp=sp, shared_expert=child.shared_expert is not None))
+        elif isinstance(child, SwiGLUMLP):
+            plan.update(mlp_plan(path, sp=sp))
+        elif isinstance(child, RMSNorm):
+            plan.update(norm_plan([path], sp=sp))
+        elif any(True for _ in child.parameters()):
+            raise ValueError(f"no tensor-parallel rule for {path} ({type(child).__name__})")
+    return plan
+
+
+def text_model_plan(prefix: str, text_model: nn.Module, *, tp: int, sp: bool, replicate_kv: bool = True,
+                    embed_to_stream: bool = True) -> dict[str, ParallelStyle]:
+    """Embedding (vocab-parallel), every decoder layer, final norm of a text stack at ``prefix``.
+
+    ``embed_to_stream``: the embedding's output enters the residual stream directly (text models:
+    sequence-sharded under SP); else it comes back full and plain (a VL model merges vision
+    features into it first and hands the stack its input through ``ToSequenceShards``)."""
+    p = f"{prefix}." if prefix else ""
+    plan: dict[str, ParallelStyle] = {}
+    if getattr(text_model, "embed_tokens", None) is not None:
+        out = _stream(sp) if embed_to_stream else Replicate()
+        plan[f"{p}embed_tokens"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=out,
+                                                   use_local_output=out == Replicate())
+    for name, layer in text_model.layers.items():
+        plan.update(decoder_layer_plan(f"{p}layers.{name}", layer, tp=tp, sp=sp, replicate_kv=replicate_kv))
+    if getattr(text_model, "norm", None) is not None:
+        plan.update(norm_plan([f"{p}norm"], sp=sp))
+    return plan
+
+
+def lm_head_plan(path: str, *, sp: bool, loss_parallel: bool) -> dict[str, ParallelStyle]:
+    """Column-split head: vocab-sharded logits for the sharded cross-entropy, or gathered."""
+    out = Shard(-1) if loss_parallel else Replicate()
+    return {path: ColwiseParallel(input_layouts=_stream(sp), output_layouts=out, use_local_output=not loss_parallel)}
+
+
+def mtp_plan(path: str, mtp: nn.Module, *, tp: int, sp: bool, replicate_kv: bool = True) -> dict[str, ParallelStyle]:
+    """The MTP head runs on whole sequences (its one-token shift crosses shard edges): inputs gathered,
+    its decoder layer tensor-parallel without SP, its output handed to the shared lm_head."""
+    plan: dict[str, ParallelStyle] = {path: FullSequence(out_layout=Replicate() if sp else None)}
+    for name, layer in mtp.layers.items():
+        plan.update(decoder_layer_plan(f"{path}.layers.{name}", layer, tp=tp, sp=False, replicate_kv=replicate_kv))
+    return plan
+
+
+def vision_tower_plan(prefix: str, visual: nn.Module) -> dict[str, ParallelStyle]:
+    """``parallel.vision_tp``: each vision block's attention heads and MLP split (the block input
+    and output replicated: the tower has no sequence parallelism); patch embedding, positions and
+    mergers replicated, so DeepStack and the merger hand full features to the text model."""
+    plan: dict[str, ParallelStyle] = {}
+    for name, block in visual.blocks.items():
+        b = f"{prefix}.blocks.{name}"
+        plan[f"{b}.attn"] = PrepareModuleInput(input_layouts=(Replicate(), None, None),
+                                               desired_input_layouts=(Replicate(), None, None), use_local_output=False)
+        for proj in ("q", "k", "v"):
+            plan[f"{b}.attn.{proj}"] = ColwiseParallel()
+        plan[f"{b}.attn.proj"] = RowwiseParallel()
+        plan[f"{b}.mlp"] = PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),),
+                                              use_local_output=False)
+        plan[f"{b}.mlp.linear_fc1"] = ColwiseParallel()
+        plan[f"{b}.mlp.linear_fc2"] = RowwiseParallel()
+    return plan
+
+
+def apply_tensor_parallel(model: nn.Module, parallel_dims, plan: dict[str, ParallelStyle]) -> nn.Module:
+    """Apply ``plan`` on the tp mesh, then restore weight ties (each style registers its own
+    DTensor parameters; a tied head and embedding share one vocab-sharded tensor again)."""
+    apply_plan(model, parallel_dims.tp_mesh(), plan)
+    tie = getattr(model, "tie_weights", None)
+    if tie is not None:
+        tie()
+    return model
+
+
+def use_loss_parallel(parallel_dims, train_cfg) -> bool:
+    """``train.loss_parallel``: None means on whenever tp > 1."""
+    setting = getattr(train_cfg, "loss_parallel", None)
+    return parallel_dims.tp > 1 and setting is not False
 
 
 def apply_plan(root: nn.Module, mesh: DeviceMesh, plan: dict[str, ParallelStyle]) -> None:

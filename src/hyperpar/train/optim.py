@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from hyperpar.errors import ConfigError
 from hyperpar.train.lr import build_scheduler
@@ -25,14 +26,46 @@ def build_optimizer(model: nn.Module, *, name: str = "adamw", lr: float, weight_
     return opt, sched
 
 
+def _local_and_copies(g: torch.Tensor, world: int) -> tuple[torch.Tensor, int]:
+    """This rank's piece of a gradient and how many ranks hold the same piece (replicated dims)."""
+    if isinstance(g, DTensor):
+        copies = 1
+        for size, placement in zip(g.device_mesh.shape, g.placements):
+            if placement.is_partial():
+                raise RuntimeError("gradient still Partial at clipping time (a reduction was skipped)")
+            # _StridedShard (FSDP over a TP-sharded dim) is a shard too, though not a Shard subclass
+            if not (placement.is_shard() or isinstance(placement, _StridedShard)):
+                copies *= size
+        return g.to_local(), copies
+    return g, world  # a plain gradient is the same on every rank
+
+
 @torch.no_grad()
 def clip_grad_norm(parameters, max_norm: float) -> torch.Tensor:
-    """Global L2 norm over (possibly sharded) grads; clips in place when ``max_norm > 0``."""
+    """Global L2 norm over (possibly sharded, on any mix of meshes: dp, dp x tp, pipeline stages)
+    grads, with one all-reduce of a scalar; clips in place when ``max_norm > 0``.
+
+    Each rank adds the squares of its pieces, each divided by the number of ranks that hold the
+    same piece, so the world sum counts every element once; every rank gets the same value."""
+    import torch.distributed as dist
+
     params = [p for p in parameters if p.grad is not None]
-    grads = [p.grad for p in params]
-    total = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
-    if isinstance(total, DTensor):
-        total = total.full_tensor()
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    by_copies: dict[int, list[torch.Tensor]] = {}
+    for p in params:
+        local, copies = _local_and_copies(p.grad, world)
+        by_copies.setdefault(copies, []).append(local)
+    device = params[0].grad.device if params else torch.device("cpu")
+    total_sq = torch.zeros((), dtype=torch.float32, device=device)
+    for copies, locals_ in by_copies.items():
+        norms = torch._foreach_norm([t.float() for t in locals_], 2.0)
+        total_sq += torch.stack(norms).square().sum() / copies
+    if world > 1:
+        dist.all_reduce(total_sq)
+    total = total_sq.sqrt()
     if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
+        scale = (max_norm / (total + 1e-6)).clamp(max=1.0)
+        for p in params:
+            g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            g.mul_(scale.to(g.dtype))
     return total

@@ -13,7 +13,7 @@ from torch import nn
 
 from hyperpar.errors import TrainingError
 from hyperpar.models.output import ModelOutput
-from hyperpar.train.loss import count_valid_tokens, token_loss_sum
+from hyperpar.train.objective import Objective
 from hyperpar.train.metrics import MetricsWriter
 from hyperpar.train.optim import clip_grad_norm
 
@@ -46,8 +46,13 @@ class Trainer:
         stop_after_steps: int | None = None,
         preemption: Any = None,
         mtp_loss_weight: float = 0.0,
+        objective: Objective | None = None,
     ) -> None:
         self.model = model
+        # The list of model parts (one without pipeline parallelism): clipping, gradient sync and
+        # checkpoint state work on every part.
+        self.model_parts: list[nn.Module] = [model]
+        self.objective = objective if objective is not None else Objective(mtp_weight=mtp_loss_weight)
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.loader = loader
@@ -81,48 +86,41 @@ class Trainer:
         t0 = time.perf_counter()
         self.device_info.reset_peak_memory()
         micro_batches = self.loader.next_step()
-        local_tokens = sum(count_valid_tokens(mb["labels"]) for mb in micro_batches).to(torch.float32)
-        global_tokens = self._sum_over_dp(local_tokens.clone().to(self.device))
-        if global_tokens.item() == 0:
+        n = len(micro_batches)
+        # The aux loss is a per-forward statistic: averaged over every micro-batch of the global
+        # batch, which is the same set of micro-batches in any layout with the same micro-batch size.
+        totals = self.objective.totals([mb["labels"].to(self.device) for mb in micro_batches],
+                                       n * self.loader.dp_size, self._sum_over_dp)
+        if totals.tokens.item() == 0:
             raise TrainingError(f"step {self.step + 1}: the global batch has no token with a label", hint="check the data's loss masking")
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         aux_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         mtp_sum = torch.zeros((), dtype=torch.float32, device=self.device)
-        n = len(micro_batches)
-        # The aux loss is a per-forward statistic: average it over every micro-batch of the global
-        # batch, which is the same set of micro-batches in any layout with the same micro-batch size.
-        global_micro_batches = n * self.loader.dp_size
-        mtp_tokens = None
-        saw_aux = False
-        if self.mtp_loss_weight > 0:
-            local = sum(count_valid_tokens(mb["labels"][:, 1:]) for mb in micro_batches).to(torch.float32)
-            mtp_tokens = self._sum_over_dp(local.to(self.device)).clamp_min(1.0)
+        saw_aux = saw_mtp = False
         for i, mb in enumerate(micro_batches):
-            if hasattr(self.model, "set_requires_gradient_sync"):
-                # Reduce gradients once per optimizer step, after the last micro-batch.
-                self.model.set_requires_gradient_sync(i == n - 1)
-            out = self.model(**_model_inputs(mb, self.device))
-            labels = mb["labels"].to(self.device)
-            logits = out.logits if isinstance(out, ModelOutput) else out
-            mb_loss = token_loss_sum(logits, labels)
-            objective = mb_loss / global_tokens
-            if isinstance(out, ModelOutput) and out.aux_loss is not None:
-                objective = objective + out.aux_loss.float() / global_micro_batches
-                aux_sum += out.aux_loss.detach().float()
+            for part in self.model_parts:
+                if hasattr(part, "set_requires_gradient_sync"):
+                    # Reduce gradients once per optimizer step, after the last micro-batch.
+                    part.set_requires_gradient_sync(i == n - 1)
+            with self.objective.context():
+                out = self.model(**_model_inputs(mb, self.device))
+                objective, parts = self.objective(out, mb["labels"].to(self.device), totals)
+                objective.backward()
+            loss_sum += parts.lm_sum
+            if parts.aux is not None:
+                aux_sum += parts.aux
                 saw_aux = True
-            if isinstance(out, ModelOutput) and out.mtp_logits is not None and mtp_tokens is not None:
-                mb_mtp = token_loss_sum(out.mtp_logits, labels[:, 1:])
-                objective = objective + self.mtp_loss_weight * mb_mtp / mtp_tokens
-                mtp_sum += mb_mtp.detach()
-            objective.backward()
-            loss_sum += mb_loss.detach()
-        grad_norm = clip_grad_norm(self.model.parameters(), self.max_grad_norm)
+            if parts.mtp_sum is not None:
+                mtp_sum += parts.mtp_sum
+                saw_mtp = True
+        grad_norm = clip_grad_norm([p for part in self.model_parts for p in part.parameters()], self.max_grad_norm)
+        global_tokens = totals.tokens
         loss = (self._sum_over_dp(loss_sum) / global_tokens).item()
         extra: dict[str, float] = {}
         if saw_aux:
-            extra["aux_loss"] = (self._sum_over_dp(aux_sum) / global_micro_batches).item()
-        if mtp_tokens is not None:
-            extra["mtp_loss"] = (self._sum_over_dp(mtp_sum) / mtp_tokens).item()
+            extra["aux_loss"] = (self._sum_over_dp(aux_sum) / totals.micro_batches).item()
+        if saw_mtp and totals.mtp_tokens is not None:
+            extra["mtp_loss"] = (self._sum_over_dp(mtp_sum) / totals.mtp_tokens).item()
         if not math.isfinite(loss) or not math.isfinite(grad_norm.item()):
             raise TrainingError(
                 f"non-finite loss at step {self.step + 1}: loss={loss}, grad_norm={grad_norm.item()}",

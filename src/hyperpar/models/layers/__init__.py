@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from hyperpar.models.layers.attention import Attention, AttentionCore, attention_core
+from hyperpar.models.layers.documents import Documents
 from hyperpar.models.layers.gated_deltanet import (
     GatedDeltaNet,
     GatedDeltaRule,
@@ -30,6 +31,7 @@ from hyperpar.models.layers.rope import RotaryEmbedding, apply_rotary
 __all__ = [
     "Attention",
     "AttentionCore",
+    "Documents",
     "GatedDeltaNet",
     "GatedDeltaRule",
     "GatedRMSNorm",

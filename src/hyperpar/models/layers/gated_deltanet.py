@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hyperpar.models.layers.documents import Documents
 from hyperpar.models.layers.local import local
 from hyperpar.models.layers.norms import GatedRMSNorm
 
@@ -27,16 +28,27 @@ class _CausalConvSilu(torch.autograd.Function):
     Autograd of the shifted multiply-add form zero-fills a padded gradient per tap and keeps K
     products alive; here every tap accumulates in place into one buffer, forward and backward,
     which halves the memory traffic of this (memory-bound) op.
+
+    With packed documents, ``fixups`` = (tokens, src, valid) from ``Documents.conv_fixups``: the
+    few tokens whose window crosses a document start are recomputed from their in-document taps
+    only (forward), and their gradient is kept out of the shifted passes and added back through
+    those taps alone (backward). Exact, and the full-size passes stay as they are.
     """
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, w: torch.Tensor, silu: bool) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor, silu: bool, fixups=None) -> torch.Tensor:  # type: ignore[override]
         # x: (B, S, C) contiguous; w: (C, K). Tap i reads x shifted right by K−1−i.
         K, S = w.shape[1], x.shape[1]
         y = x * w[:, K - 1]
         for s in range(1, min(K, S)):
             y[:, s:].addcmul_(x[:, : S - s], w[:, K - 1 - s])
+        if fixups is not None:
+            tokens, src, valid = fixups
+            C = x.shape[-1]
+            taps = x.view(-1, C)[src] * valid.unsqueeze(-1)  # (P, K, C): in-document inputs only
+            y.view(-1, C).index_copy_(0, tokens, (taps * w.t()).sum(1))
         ctx.silu = silu
+        ctx.fixups = fixups
         ctx.save_for_backward(x, w, y)
         return F.silu(y) if silu else y
 
@@ -46,21 +58,37 @@ class _CausalConvSilu(torch.autograd.Function):
         K, S = w.shape[1], x.shape[1]
         grad_out = grad_out.contiguous()
         dy = torch.ops.aten.silu_backward(grad_out, y) if ctx.silu else grad_out
+        fixed = None
+        if ctx.fixups is not None:
+            tokens, src, valid = ctx.fixups
+            C = x.shape[-1]
+            fixed = dy.view(-1, C)[tokens]  # (P, C): gradient of the recomputed tokens
+            dy = dy.clone() if dy is grad_out else dy
+            dy.view(-1, C).index_fill_(0, tokens, 0.0)
         dx = dw = None
         if ctx.needs_input_grad[0]:
             dx = dy * w[:, K - 1]
             for s in range(1, min(K, S)):
                 dx[:, : S - s].addcmul_(dy[:, s:], w[:, K - 1 - s])
+            if fixed is not None:
+                per_tap = (fixed.unsqueeze(1) * w.t()) * valid.unsqueeze(-1)  # (P, K, C)
+                dx.view(-1, C).index_add_(0, src.reshape(-1), per_tap.reshape(-1, C))
         if ctx.needs_input_grad[1]:
             cols = [(dy * x).sum((0, 1))]  # tap K−1 (no shift)
             for s in range(1, K):
                 cols.append((dy[:, s:] * x[:, : S - s]).sum((0, 1)) if s < S else torch.zeros_like(cols[0]))
             dw = torch.stack(cols[::-1], dim=1)  # (C, K): column i is the tap with shift K−1−i
-        return dx, dw, None
+            if fixed is not None:
+                taps = x.view(-1, C)[src] * valid.unsqueeze(-1)  # (P, K, C)
+                dw = dw + torch.einsum("pc,pkc->ck", fixed, taps)
+        return dx, dw, None, None
 
 
-def causal_depthwise_conv1d(x: torch.Tensor, weight: torch.Tensor, *, silu: bool = True) -> torch.Tensor:
-    """Causal depthwise conv over time, no bias: ``u[t, c] = Σ_i w[c, 0, i] · x[t − (K−1) + i, c]``.
+def causal_depthwise_conv1d(
+    x: torch.Tensor, weight: torch.Tensor, *, silu: bool = True, doc: Documents | None = None
+) -> torch.Tensor:
+    """Causal depthwise conv over time, no bias: ``u[t, c] = Σ_i w[c, 0, i] · x[t − (K−1) + i, c]``,
+    inputs before the start of t's document (``doc``; else of its row) counting as zero.
 
     x: (B, S, C); weight: (C, 1, K) (the nn.Conv1d layout of the checkpoint) or (C, K). Computed in the
     weight's dtype, then silu (if asked), then cast to x's dtype (as transformers does). Written as
@@ -68,7 +96,8 @@ def causal_depthwise_conv1d(x: torch.Tensor, weight: torch.Tensor, *, silu: bool
     than a grouped ``F.conv1d`` (which also needs two transposes).
     """
     w = weight.view(weight.shape[0], weight.shape[-1])
-    y = _CausalConvSilu.apply(x.to(w.dtype).contiguous(), w, silu)
+    fixups = doc.conv_fixups(w.shape[1]) if doc is not None else None
+    y = _CausalConvSilu.apply(x.to(w.dtype).contiguous(), w, silu, fixups)
     return y.to(x.dtype)
 
 
@@ -82,6 +111,7 @@ def chunk_gated_delta_rule(
     *,
     scale: float | None = None,
     use_qk_l2norm: bool = True,
+    segment_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Gated delta rule over a whole sequence, state starting at zero (MODELS.md 5.3, 5.4).
 
@@ -89,6 +119,12 @@ def chunk_gated_delta_rule(
     of nk with value head j reading key head j // (nv/nk). Returns o: (B, S, nv, dv) in v's dtype.
     All arithmetic is fp32. Any S ≥ 1 works: the tail is zero-padded to a whole chunk (padding has
     g = 0, k = v = 0, beta = 0 and so changes nothing).
+
+    segment_ids (B, S), non-decreasing along each row: packed documents, the state restarting at
+    zero where the id changes. Inside a chunk the decay matrix is cut to same-document pairs (so
+    the UT transform is block-diagonal), only tokens of the document the chunk continues read the
+    carried state, only the chunk's last document writes it, and a chunk holding a start passes no
+    old state on. All of it is masking of finite values: no −inf decays, no NaNs.
     """
     B, S, nk, dk = k.shape
     nv, dv = v.shape[-2:]
@@ -107,6 +143,16 @@ def chunk_gated_delta_rule(
         q, k, v = (F.pad(t, (0, 0, 0, 0, 0, pad)) for t in (q, k, v))
         g, beta = (F.pad(t, (0, 0, 0, pad)) for t in (g, beta))
     N = (S + pad) // C
+    if segment_ids is not None:
+        seg = segment_ids.to(q.device)
+        if pad:  # the padding joins the row's last document (it contributes nothing anyway)
+            seg = torch.cat([seg, seg[:, -1:].expand(B, pad)], dim=1)
+        segc = seg.view(B, N, C).permute(1, 0, 2)  # (N, B, C)
+        # document of the state entering each chunk: that of the token just before it
+        entering = torch.cat([segc[:1, :, :1], segc[:-1, :, -1:]], dim=0)  # (N, B, 1)
+        reads_state = (segc == entering)[:, :, None, None, :]  # (N, B, 1, 1, C)
+        writes_state = (segc == segc[..., -1:])[:, :, None, None, :]
+        same_doc = (segc.unsqueeze(-1) == segc.unsqueeze(-2))[:, :, None, None]  # (N, B, 1, 1, C, C)
 
     # Chunk-major layouts: leading (N, B, heads) dims are plain batch dims for every matmul, and the
     # per-chunk slices in the scan below are contiguous. Value heads are split (nk, r) so key-side
@@ -120,13 +166,16 @@ def chunk_gated_delta_rule(
     gamma = gc.cumsum(-1)  # log decay from the chunk start, inclusive
     upper = torch.ones(C, C, dtype=torch.bool, device=q.device).triu(1)
     # Γ_ij = exp(γ_i − γ_j) for j ≤ i, else 0 (masked before exp so nothing overflows)
-    decay = (gamma.unsqueeze(-1) - gamma.unsqueeze(-2)).masked_fill(upper, float("-inf")).exp()  # (N,B,nk,r,C,C)
+    cut = upper if segment_ids is None else upper | ~same_doc
+    decay = (gamma.unsqueeze(-1) - gamma.unsqueeze(-2)).masked_fill(cut, float("-inf")).exp()  # (N,B,nk,r,C,C)
     kkt = kc @ kc.transpose(-1, -2)  # (N, B, nk, C, C)
     qkt = qc @ kc.transpose(-1, -2)
     # A = I + strict_lower(diag(β) K Kᵀ ⊙ Γ); the solve below treats the diagonal as 1.
     a_mat = kkt.unsqueeze(3) * decay * bc.unsqueeze(-1)  # (N, B, nk, r, C, C)
     attn = qkt.unsqueeze(3) * decay  # intra-chunk attention incl. the diagonal
     eg = gamma.exp()  # (N, B, nk, r, C)
+    if segment_ids is not None:
+        eg = eg * reads_state
     # T = A⁻¹ once (C right-hand sides), then U = T βV and W = T (βK ⊙ e^γ) as matmuls: cheaper on
     # CPU than solving for the dv + dk columns directly, forward and backward.
     eye = torch.eye(C, dtype=a_mat.dtype, device=a_mat.device)
@@ -138,6 +187,9 @@ def chunk_gated_delta_rule(
     q_dec = qc.unsqueeze(3) * eg.unsqueeze(-1)  # Q ⊙ e^γ: reads the state entering the chunk
     k_dec = kc.unsqueeze(3) * (gamma[..., -1:] - gamma).exp().unsqueeze(-1)  # K ⊙ e^(γ_C − γ)
     chunk_decay = gamma[..., -1].exp()  # (N, B, nk, r)
+    if segment_ids is not None:
+        k_dec = k_dec * writes_state.unsqueeze(-1)
+        chunk_decay = chunk_decay * reads_state[..., -1]  # 0 when a document starts in the chunk
     k_dec = k_dec.reshape(N, BH, C, dk)
     chunk_decay = chunk_decay.reshape(N, BH, 1, 1)
 
@@ -170,10 +222,12 @@ def recurrent_gated_delta_rule(
     *,
     scale: float | None = None,
     use_qk_l2norm: bool = True,
+    segment_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Token-by-token reference of the same recurrence (slow; for tests and decoding).
 
-    ``S_t = α_t S_{t−1} + k̂_t ⊗ β_t (v_t − α_t S_{t−1}ᵀ k̂_t)``, ``o_t = S_tᵀ q̂_t``. Shapes as above.
+    ``S_t = α_t S_{t−1} + k̂_t ⊗ β_t (v_t − α_t S_{t−1}ᵀ k̂_t)``, ``o_t = S_tᵀ q̂_t``. Shapes as above;
+    with ``segment_ids`` the state is zeroed before every token whose id differs from the previous one.
     """
     B, S, nk, dk = k.shape
     nv, dv = v.shape[-2:]
@@ -189,6 +243,9 @@ def recurrent_gated_delta_rule(
     outs = []
     for t in range(S):
         state = state * g[:, t].exp()[..., None, None]
+        if segment_ids is not None and t > 0:
+            keep = (segment_ids[:, t] == segment_ids[:, t - 1]).to(state.dtype)  # (B,)
+            state = state * keep[:, None, None, None]
         kv_mem = torch.einsum("bhkv,bhk->bhv", state, k[:, t])
         delta = (v[:, t] - kv_mem) * beta[:, t, :, None]
         state = state + k[:, t, :, :, None] * delta[:, :, None, :]
@@ -205,6 +262,7 @@ class GatedDeltaRule(nn.Module):
     q, k: (B, S, nk, dk) and v: (B, S, nv, dv) before the conv; g, beta: (B, S, nv);
     conv_q/k/v: (channels, K) depthwise weights for the flattened heads. Returns o (B, S, nv, dv).
     Heads are independent, so any head-sharded slice of the inputs gives that slice of the output.
+    ``doc`` (packed documents, per token): neither the conv nor the state crosses a document start.
     """
 
     def __init__(self, chunk_size: int = 32) -> None:
@@ -221,13 +279,16 @@ class GatedDeltaRule(nn.Module):
         conv_q: torch.Tensor,
         conv_k: torch.Tensor,
         conv_v: torch.Tensor,
+        *,
+        doc: Documents | None = None,
     ) -> torch.Tensor:
         B, S = q.shape[:2]
         q, k, v = (
-            causal_depthwise_conv1d(t.reshape(B, S, -1), w, silu=True).view(t.shape)
+            causal_depthwise_conv1d(t.reshape(B, S, -1), w, silu=True, doc=doc).view(t.shape)
             for t, w in ((q, conv_q), (k, conv_k), (v, conv_v))
         )
-        return chunk_gated_delta_rule(q, k, v, g, beta, self.chunk_size)
+        seg = doc.segment_ids if doc is not None else None
+        return chunk_gated_delta_rule(q, k, v, g, beta, self.chunk_size, segment_ids=seg)
 
     def extra_repr(self) -> str:
         return f"chunk_size={self.chunk_size}"
@@ -292,7 +353,7 @@ class GatedDeltaNet(nn.Module):
     def chunk_size(self) -> int:
         return self.recurrence.chunk_size
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *, doc: Documents | None = None) -> torch.Tensor:
         B, S = x.shape[:2]
         dk, dv = self.key_head_dim, self.value_head_dim
         # Head counts from the activations (-1), not the module config: a head-sharded (TP) layer
@@ -305,7 +366,7 @@ class GatedDeltaNet(nn.Module):
         a_log, dt_bias = local(self.A_log), local(self.dt_bias)
         g = -a_log.float().exp() * F.softplus(self.in_proj_a(x).float() + dt_bias)  # fp32, ≤ 0
         convs = (local(c.weight) for c in (self.conv1d_q, self.conv1d_k, self.conv1d_v))
-        o = self.recurrence(q, k, v, g, beta, *convs)  # (B, S, nv, dv)
+        o = self.recurrence(q, k, v, g, beta, *convs, doc=doc)  # (B, S, nv, dv)
         z = self.in_proj_z(x).view(B, S, -1, dv)
         o = self.norm(o, z)
         return self.out_proj(o.reshape(B, S, -1))

@@ -13,6 +13,7 @@ from torch import nn
 
 from hyperpar.models.layers import (
     Attention,
+    Documents,
     GatedDeltaNet,
     RMSNorm,
     RotaryEmbedding,
@@ -66,15 +67,22 @@ class Qwen3_5DecoderLayer(nn.Module):
         return self.mlp(h)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, token_mask: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        token_mask: torch.Tensor | None = None,
+        *,
+        doc: Documents | None = None,
     ) -> torch.Tensor:
         """x: (B, S, H); cos/sin: (B, S, rot) from the model's rotary (unused by GDN layers);
-        token_mask: optional (B, S), nonzero = real token (only MoE router statistics read it)."""
+        token_mask: optional (B, S), nonzero = real token (only MoE router statistics read it);
+        doc: packed documents (None: one per row), kept apart by attention, GDN state and conv."""
         h = self.input_layernorm(x)
         if self.layer_type == LINEAR:
-            h = self.linear_attn(h)
+            h = self.linear_attn(h, doc=doc)
         else:
-            h = self.self_attn(h, cos, sin)
+            h = self.self_attn(h, cos, sin, doc=doc)
         x = x + h
         return x + self.ffn(self.post_attention_layernorm(x), token_mask)
 
@@ -103,24 +111,31 @@ class Qwen3_5TextModel(nn.Module):
         token_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """input_ids: (B, S) token ids, or (B, S, H) floating-point input embeddings / hidden states
-        (a VL model's merged text+vision embeddings, or a later pipeline stage's input)."""
+        (a VL model's merged text+vision embeddings, or a later pipeline stage's input).
+
+        Documents (once per forward): a position restarting at 0 starts one, and so does every
+        change of ``token_mask`` (padding is a span of its own)."""
         h = input_ids if input_ids.is_floating_point() else self.embed_tokens(input_ids)
+        doc = Documents.from_positions(position_ids, token_mask)
         if position_ids is None:
             B, S = h.shape[:2]
             position_ids = torch.arange(S, device=h.device).unsqueeze(0).expand(B, S)
         cos, sin = self.rotary_emb(position_ids, h.dtype)
         for layer in self.layers.values():
-            h = layer(h, cos, sin, token_mask)
+            h = layer(h, cos, sin, token_mask, doc=doc)
         if self.norm is not None:
             h = self.norm(h)
         return h
 
 
 class Qwen3_5ForCausalLM(nn.Module):
-    """``forward(input_ids, position_ids=None) -> logits`` (B, S, V) in the activation dtype.
+    """``forward(input_ids, position_ids=None, attention_mask=None) -> logits`` (B, S, V) in the
+    activation dtype.
 
-    position_ids: None (0..S−1), (B, S), (3, B, S) rows T/H/W, or (4, B, S) with a text row first
-    (ignored: attention is always plain causal, one document per row).
+    position_ids: None (0..S−1), (B, S), (3, B, S) rows T/H/W, or (4, B, S) with a text row first.
+    Packed documents: within a row, a (text-row) position restarting at 0 starts a new document;
+    attention, GatedDeltaNet state and conv stay inside each one. attention_mask (B, S), 1 = real
+    token: padding runs become documents of their own (no real token attends to them).
     """
 
     block_cls = Qwen3_5DecoderLayer
@@ -149,8 +164,13 @@ class Qwen3_5ForCausalLM(nn.Module):
         name, so both copies start equal."""
         return {"lm_head.weight": "model.embed_tokens.weight"} if self.args.tie_word_embeddings else {}
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        h = self.model(input_ids, position_ids)
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        h = self.model(input_ids, position_ids, attention_mask)
         return self.lm_head(h) if self.lm_head is not None else h
 
     # --- framework hooks (see hyperpar.models.spec) -----------------------------------------

@@ -33,8 +33,9 @@ class Qwen3_5ForConditionalGeneration(VisionLanguageHooks, nn.Module):
     """``forward(input_ids, pixel_values=None, image_grid_thw=None, pixel_values_videos=None,
     video_grid_thw=None, mm_token_type_ids=None, position_ids=None, attention_mask=None) -> logits``.
 
-    logits (B, S, V) in the activation dtype. attention_mask (B, S), 1 = real token, only keeps
-    padding out of the 3-D positions (padding on the right; attention is plain causal). Without an
+    logits (B, S, V) in the activation dtype. attention_mask (B, S), 1 = real token, keeps padding
+    out of the 3-D positions and makes each padding run a document of its own; packed documents
+    come from 4-row positions (text row restarting at 0, see ``Documents``). Without an
     embedding (a later pipeline stage) input_ids are hidden states; without an ``lm_head`` forward
     returns hidden states.
     """
@@ -81,7 +82,7 @@ class Qwen3_5ForConditionalGeneration(VisionLanguageHooks, nn.Module):
     ) -> torch.Tensor:
         embeds, position_ids = self.embed(input_ids, pixel_values, image_grid_thw, pixel_values_videos,
                                           video_grid_thw, mm_token_type_ids, position_ids, attention_mask)
-        h = self.model.language_model(embeds, position_ids)
+        h = self.model.language_model(embeds, position_ids, attention_mask)
         return self.lm_head(h) if self.lm_head is not None else h
 
     def flops_per_token(self, seq_len: int) -> float:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hyperpar.models.layers import RMSNorm, SparseMoeBlock, load_balancing_loss, record_router_stats
+from hyperpar.models.layers import Documents, RMSNorm, SparseMoeBlock, record_router_stats
 from hyperpar.models.output import ModelOutput
 from hyperpar.models.qwen3_5.args import FULL
 from hyperpar.models.qwen3_5.model import Qwen3_5DecoderLayer, Qwen3_5ForCausalLM, Qwen3_5TextModel
@@ -75,16 +75,21 @@ class Qwen3_5MoeMTP(nn.Module):
 
     def forward(
         self,
-        next_embeds: torch.Tensor,
+        inputs_embeds: torch.Tensor,
         hidden: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
         token_mask: torch.Tensor | None = None,
+        *,
+        doc: Documents | None = None,
     ) -> torch.Tensor:
-        """next_embeds: embeddings of tokens 1..S−1, hidden: main final hidden states 0..S−2, both
-        (B, S−1, H); cos/sin for the positions of tokens 1..S−1. Returns (B, S−1, H) normed."""
+        """inputs_embeds: the embeddings of tokens 0..S−1, hidden: the main model's final hidden
+        states 0..S−1, both full (B, S, H); the one-token shift happens here, after any
+        parallelizer has handed this module whole sequences. cos/sin and token_mask (B, S−1) are
+        for the positions of tokens 1..S−1. Returns (B, S−1, H) normed."""
+        next_embeds, hidden = inputs_embeds[:, 1:], hidden[:, :-1]
         h = self.fc(torch.cat([self.pre_fc_norm_embedding(next_embeds), self.pre_fc_norm_hidden(hidden)], dim=-1))
-        h = self.layers["0"](h, cos, sin, token_mask)
+        h = self.layers["0"](h, cos, sin, token_mask, doc=doc)
         return self.norm(h)
 
     def predict(
@@ -101,8 +106,10 @@ class Qwen3_5MoeMTP(nn.Module):
         B, S = inputs_embeds.shape[:2]
         pos = shift_positions(position_ids, B, S, inputs_embeds.device)
         cos, sin = rotary(pos, inputs_embeds.dtype)
-        mask = attention_mask[:, 1:] if attention_mask is not None else None
-        return self(inputs_embeds[:, 1:], hidden[:, :-1], cos, sin, mask)
+        # an MTP row is real when both tokens it reads are (after left padding, the first is not)
+        mask = attention_mask[:, 1:] * attention_mask[:, :-1] if attention_mask is not None else None
+        doc = Documents.from_positions(position_ids, attention_mask)  # packed rows: see shifted_for_mtp
+        return self(inputs_embeds, hidden, cos, sin, mask, doc=doc.shifted_for_mtp() if doc is not None else None)
 
 
 class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
@@ -145,8 +152,7 @@ class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
                 embeds = self.model.embed_tokens(input_ids)
                 mtp_h = self.mtp.predict(embeds, h, self.model.rotary_emb, position_ids, attention_mask)
                 mtp_logits = self.lm_head(mtp_h)
-        aux = self.args.router_aux_loss_coef * load_balancing_loss(stats) if stats else None
-        return ModelOutput(logits=logits, aux_loss=aux, mtp_logits=mtp_logits)
+        return ModelOutput.of(logits, stats, self.args.router_aux_loss_coef, mtp_logits)
 
     # --- framework hooks -------------------------------------------------------------------------
 
@@ -222,8 +228,7 @@ class Qwen3_5MoeForConditionalGeneration(Qwen3_5ForConditionalGeneration):
             if self.mtp_active and lm.embed_tokens is not None:
                 mtp_h = self.mtp.predict(embeds, h, lm.rotary_emb, position_ids, attention_mask)
                 mtp_logits = self.lm_head(mtp_h)
-        aux = self.args.text.router_aux_loss_coef * load_balancing_loss(stats) if stats else None
-        return ModelOutput(logits=logits, aux_loss=aux, mtp_logits=mtp_logits)
+        return ModelOutput.of(logits, stats, self.args.text.router_aux_loss_coef, mtp_logits)
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per text token of the text model (and MTP when it trains); the vision

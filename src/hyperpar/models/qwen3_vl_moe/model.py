@@ -21,11 +21,11 @@ from torch import nn
 
 from hyperpar.models.layers import (
     Attention,
+    Documents,
     RMSNorm,
     RotaryEmbedding,
     SparseMoeBlock,
     SwiGLUMLP,
-    load_balancing_loss,
     record_router_stats,
 )
 from hyperpar.models.multimodal import (
@@ -66,10 +66,20 @@ class Qwen3VLMoeDecoderLayer(nn.Module):
         else:
             self.mlp = SwiGLUMLP(H, args.intermediate_size)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x: (B, S, H); cos/sin: (B, S, hd) from the text rotary."""
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        token_mask: torch.Tensor | None = None,
+        *,
+        doc: Documents | None = None,
+    ) -> torch.Tensor:
+        """x: (B, S, H); cos/sin: (B, S, hd) from the text rotary; token_mask (B, S) nonzero = real
+        token (router statistics only); doc: packed documents (None: one per row)."""
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, doc=doc)
+        h = self.post_attention_layernorm(x)
+        return x + (self.mlp(h, token_mask) if self.is_moe else self.mlp(h))
 
 
 class Qwen3VLMoeTextModel(nn.Module):
@@ -90,18 +100,22 @@ class Qwen3VLMoeTextModel(nn.Module):
         position_ids: torch.Tensor | None = None,
         visual_mask: torch.Tensor | None = None,
         deepstack: list[torch.Tensor] | tuple[torch.Tensor, ...] = (),
+        attention_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """hidden (B, S, H) input embeddings (or a previous stage's hidden states).
 
-        position_ids: None (0..S−1), (B, S), (3, B, S) T/H/W rows or (4, B, S) with a text row first.
-        deepstack[n] (n_visual, H) is added at ``visual_mask`` (B, S) after the layer with index n.
+        position_ids: None (0..S−1), (B, S), (3, B, S) T/H/W rows or (4, B, S) with a text row first
+        (a restart at 0 there starts a packed document). deepstack[n] (n_visual, H) is added at
+        ``visual_mask`` (B, S) after the layer with index n. attention_mask (B, S), 1 = real token:
+        padding leaves the router statistics and is a document of its own.
         """
+        doc = Documents.from_positions(position_ids, attention_mask)
         if position_ids is None:
             B, S = hidden.shape[:2]
             position_ids = torch.arange(S, device=hidden.device).unsqueeze(0).expand(B, S)
         cos, sin = self.rotary_emb(position_ids, hidden.dtype)
         for name, layer in self.layers.items():
-            hidden = layer(hidden, cos, sin)
+            hidden = layer(hidden, cos, sin, attention_mask, doc=doc)
             i = int(name)
             if i < len(deepstack):
                 hidden = add_deepstack(hidden, visual_mask, deepstack[i])
@@ -126,10 +140,11 @@ class Qwen3VLMoeModel(nn.Module):
         video_grid_thw: torch.Tensor | None = None,
         mm_token_type_ids: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         lm = self.language_model
         if lm.embed_tokens is None:  # a later pipeline stage: input_ids are hidden states
-            return lm(input_ids, position_ids)
+            return lm(input_ids, position_ids, attention_mask=attention_mask)
         a = self.args
         embeds = lm.embed_tokens(input_ids)
         image, video = tower_features(self.visual, self.args.vision.merge_unit, pixel_values, image_grid_thw,
@@ -146,18 +161,20 @@ class Qwen3VLMoeModel(nn.Module):
         )
         if position_ids is None and (image_grid_thw is not None or video_grid_thw is not None):
             position_ids, _ = get_rope_index(
-                input_ids, mm_token_type_ids, image_grid_thw, video_grid_thw, spatial_merge_size=a.vision.spatial_merge_size
+                input_ids, mm_token_type_ids, image_grid_thw, video_grid_thw,
+                spatial_merge_size=a.vision.spatial_merge_size, attention_mask=attention_mask,
             )
-        return lm(embeds, position_ids, visual_mask, deepstack)
+        return lm(embeds, position_ids, visual_mask, deepstack, attention_mask)
 
 
 class Qwen3VLMoeForConditionalGeneration(VisionLanguageHooks, nn.Module):
     """``forward(input_ids, pixel_values=None, image_grid_thw=None, pixel_values_videos=None,
-    video_grid_thw=None, mm_token_type_ids=None, position_ids=None) -> ModelOutput``.
+    video_grid_thw=None, mm_token_type_ids=None, position_ids=None, attention_mask=None) -> ModelOutput``.
 
     ``logits`` (B, S, V) in the activation dtype; ``aux_loss`` = router_aux_loss_coef × the
     load-balancing loss pooled over all MoE layers and tokens of this call (None without MoE
-    layers). One document per row, no padding (plain causal attention).
+    layers; padding left out when ``attention_mask`` (B, S), 1 = real token, is given). Packed
+    documents come from (B, S) or 4-row positions (text row restarting at 0, see ``Documents``).
     """
 
     def __init__(self, args: Qwen3VLMoeArgs) -> None:
@@ -187,16 +204,17 @@ class Qwen3VLMoeForConditionalGeneration(VisionLanguageHooks, nn.Module):
         video_grid_thw: torch.Tensor | None = None,
         mm_token_type_ids: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
     ) -> ModelOutput:
         # Every MoE block publishes its router statistics into this context; the aux loss pools them
         # over all layers before the product (it is not a sum of per-layer losses).
         with record_router_stats() as stats:
             hidden = self.model(
-                input_ids, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw, mm_token_type_ids, position_ids
+                input_ids, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw, mm_token_type_ids, position_ids,
+                attention_mask,
             )
         logits = self.lm_head(hidden) if self.lm_head is not None else hidden
-        aux = self.args.text.router_aux_loss_coef * load_balancing_loss(stats) if stats else None
-        return ModelOutput(logits=logits, aux_loss=aux)
+        return ModelOutput.of(logits, stats, self.args.text.router_aux_loss_coef)
 
     # --- framework hooks (see hyperpar.models.spec) -----------------------------------------
 

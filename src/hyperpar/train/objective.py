@@ -1,0 +1,99 @@
+"""The training objective: the one place that knows the global token count.
+
+For one micro-batch, ``Objective`` turns a model's output into the quantity whose gradient is the
+step's gradient share:
+
+    Σ token CE / global valid tokens
+  + aux_coef · load-balancing loss / global micro-batches
+  + mtp_weight · Σ MTP token CE / global MTP tokens
+
+The normalisers (``StepTotals``) are reduced once per step over the ranks that hold different
+data (data and context parallel), so N processes differentiate exactly the loss of one process
+that sees the whole batch; tensor-parallel ranks compute the same objective. The trainer's step
+and a pipeline schedule's ``loss_fn`` call the same object.
+
+Under loss parallelism the logits are a vocab-sharded DTensor and the cross-entropy runs sharded
+(``torch.distributed.tensor.parallel.loss_parallel``): no rank holds full-vocab logits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+import torch
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+
+from hyperpar.models.layers.moe import load_balancing_loss
+from hyperpar.models.output import ModelOutput
+
+IGNORE_INDEX = -100
+
+
+def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Σ per-token cross-entropy in fp32 over pre-shifted ``labels`` (-100 ignored). ``logits`` may
+    be a vocab-sharded DTensor (inside ``loss_parallel``); the result is a plain scalar."""
+    loss = F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+    return loss.to_local() if isinstance(loss, DTensor) else loss
+
+
+def count_valid_tokens(labels: torch.Tensor) -> torch.Tensor:
+    return (labels != IGNORE_INDEX).sum()
+
+
+@dataclass
+class StepTotals:
+    """Normalisers of one optimizer step, equal on every rank."""
+
+    tokens: torch.Tensor  # valid label tokens of the global batch (fp32 scalar)
+    micro_batches: int  # micro-batches of the global batch (the aux loss is a per-forward mean)
+    mtp_tokens: torch.Tensor | None = None  # valid MTP targets of the global batch
+
+
+@dataclass
+class MicroBatchLoss:
+    """Detached parts of one micro-batch's objective, for logging (sums, not yet normalised)."""
+
+    lm_sum: torch.Tensor
+    aux: torch.Tensor | None = None  # aux_coef · load-balancing loss of this forward
+    mtp_sum: torch.Tensor | None = None
+
+
+class Objective:
+    def __init__(self, *, mtp_weight: float = 0.0, loss_parallel: bool = False) -> None:
+        self.mtp_weight = float(mtp_weight)
+        self.loss_parallel = loss_parallel
+
+    def context(self) -> contextlib.AbstractContextManager:
+        """Forward-to-backward context: sharded cross-entropy under loss parallelism."""
+        if not self.loss_parallel:
+            return contextlib.nullcontext()
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        return loss_parallel()
+
+    def __call__(self, out: ModelOutput | torch.Tensor, labels: torch.Tensor,
+                 totals: StepTotals) -> tuple[torch.Tensor, MicroBatchLoss]:
+        logits = out.logits if isinstance(out, ModelOutput) else out
+        lm_sum = token_loss_sum(logits, labels)
+        objective = lm_sum / totals.tokens
+        parts = MicroBatchLoss(lm_sum.detach())
+        if isinstance(out, ModelOutput) and out.router_stats is not None:
+            aux = out.aux_coef * load_balancing_loss(out.router_stats)
+            objective = objective + aux.float() / totals.micro_batches
+            parts.aux = aux.detach().float()
+        if isinstance(out, ModelOutput) and out.mtp_logits is not None and totals.mtp_tokens is not None:
+            mtp_sum = token_loss_sum(out.mtp_logits, labels[:, 1:])
+            objective = objective + self.mtp_weight * mtp_sum / totals.mtp_tokens
+            parts.mtp_sum = mtp_sum.detach()
+        return objective, parts
+
+    def totals(self, labels: list[torch.Tensor], global_micro_batches: int, reduce) -> StepTotals:
+        """The step's normalisers from this rank's micro-batch labels; ``reduce(t)`` sums a tensor
+        over the ranks holding different data."""
+        tokens = reduce(sum(count_valid_tokens(lb) for lb in labels).to(torch.float32))
+        mtp = None
+        if self.mtp_weight > 0:
+            mtp = reduce(sum(count_valid_tokens(lb[:, 1:]) for lb in labels).to(torch.float32)).clamp_min(1.0)
+        return StepTotals(tokens=tokens, micro_batches=global_micro_batches, mtp_tokens=mtp)
+
