@@ -34,7 +34,10 @@ def test_lm_round_trip_cycles_with_derived_labels(tmp_path):
     assert len(src) == 12 and src.rows == 5 and not hasattr(src, "collate")
     for i in range(12):
         s, r = src[i], i % 5
-        assert set(s) == {"input_ids", "labels"}  # the attention mask is folded into the labels
+        # the mask is folded into the labels and passed on; positions restart on every span
+        assert set(s) == {"input_ids", "labels", "attention_mask", "position_ids"}
+        assert torch.equal(s["attention_mask"], t["attention_mask"][r])
+        assert s["position_ids"].tolist() == (list(range(7)) + [0, 1, 2] if r == 2 else list(range(10)))
         assert torch.equal(s["input_ids"], t["input_ids"][r])
         want = torch.cat([t["input_ids"][r, 1:], torch.tensor([IGNORE_INDEX])])
         if r == 2:

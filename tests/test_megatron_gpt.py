@@ -243,13 +243,14 @@ def test_megatron_source(tmp_path: Path) -> None:
     for i in range(25):
         item = src[i]
         raw = ref.sample(i)
-        assert set(item) >= {"input_ids", "labels", "position_ids", "cu_seqlens"}
+        assert set(item) == {"input_ids", "labels", "position_ids"}  # every key is a model input
         for key in ("input_ids", "labels", "position_ids"):
             assert item[key].shape == (12,) and item[key].dtype == torch.int64
         assert item["input_ids"].tolist() == raw["tokens"].tolist()
         assert item["labels"].tolist() == [lab if m else -100 for lab, m in zip(raw["labels"], raw["loss_mask"])]
-        cu = item["cu_seqlens"].tolist()
-        assert cu[0] == 0 and cu[-1] == 12 and cu == sorted(cu) and len(cu) == 13
+        # documents start (position 0) exactly after each EOD
+        ids, pos = item["input_ids"].tolist(), item["position_ids"].tolist()
+        assert pos[0] == 0 and all((p == 0) == (ids[t - 1] == EOD) for t, p in enumerate(pos) if t)
     with pytest.raises(IndexError):
         src[25]
     with pytest.raises(DataError):

@@ -13,7 +13,9 @@ tokenizer files and the options; a file lock lets the first rank build while the
 then memory-map the same files.
 
 ``pack: true`` concatenates the runs in corpus order and cuts them into blocks of ``seq_len + 1``
-tokens (the tail that fills no block is dropped); ``pack: false`` makes one sample per document,
+tokens (the tail that fills no block is dropped), with ``position_ids`` restarting at 0 at every
+document start so the models keep the documents apart (the EOS still predicts the next
+document's first token, as Megatron's packing does); ``pack: false`` makes one sample per document,
 truncated or right-padded with labels -100. Sample ``i`` is unit ``perm_e[i mod U]`` of epoch
 ``e = i div U`` (U units, ``perm_e`` seeded by the seed and ``e``; the identity with
 ``shuffle: false``): the source has exactly ``ctx.num_samples`` samples and each is a pure function
@@ -557,7 +559,18 @@ class TokenizedTextSource:
         target = np.zeros(n, dtype=bool)
         target[1 : b - a] = True if self.docs.mask is None else self.docs.mask[a + 1 : b].astype(bool)
         labels = np.where(target[1:], block[1:], IGNORE_INDEX)
-        return {"input_ids": torch.from_numpy(block[:-1].copy()), "labels": torch.from_numpy(labels)}
+        out = {"input_ids": torch.from_numpy(block[:-1].copy()), "labels": torch.from_numpy(labels)}
+        if self.pack:
+            out["position_ids"] = torch.from_numpy(self._block_positions(a, n - 1))
+        return out
+
+    def _block_positions(self, a: int, length: int) -> np.ndarray:
+        """Positions of stream tokens a … a+length−1, restarting at 0 where a document starts (and
+        at the block start): the models keep packed documents apart by these restarts."""
+        j = np.arange(a, a + length)
+        offsets = self.docs.offsets
+        start = offsets[np.searchsorted(offsets, j, side="right") - 1]
+        return j - np.maximum(start, a)
 
 
 def build_text_source(options: dict[str, Any], ctx: DataContext, *, default_format: str | None = None) -> TokenizedTextSource:

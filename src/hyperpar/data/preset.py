@@ -11,8 +11,11 @@ key                         shape           meaning
 ``labels``                  (N, S)          pre-shifted targets, -100 ignored (``extra.labels_shifted:
                                             false``: Hugging Face style, shifted here); default:
                                             ``input_ids`` shifted, vision placeholders ignored
-``attention_mask``          (N, S)          1 = real token; zeros become ignored labels (the mask
-                                            itself is not passed on: every row is one causal sequence)
+``attention_mask``          (N, S)          1 = real token; zeros become ignored labels, and the
+                                            mask is passed on: each padding run is a document of its
+                                            own (no real token attends to it) and leaves the MoE
+                                            router statistics; text rows without position_ids get
+                                            positions restarting at 0 on every span
 ``position_ids``            (N, S) |        1-D positions, or 3-D/4-D (mRoPE T, H, W [, text])
                             (N, C, S) |     rows per sample; HF's (C, N, S) layout is accepted too
                             (C, N, S)
@@ -209,6 +212,16 @@ class _Shard:
             self.vision[grid] = (grids, first, offsets)
         self.is_vl = bool(self.vision) or (self.position_ids is not None and self.position_ids.dim() == 3)
         self.emit_mm = self.is_vl
+        self.emit_mask = False
+
+    def pass_mask(self) -> None:
+        """Hand the attention mask to the model (all ones where the file has none, so every row of the
+        source has one and the source's own right padding is masked too)."""
+        if self.attention_mask is None:
+            self.attention_mask = torch.ones_like(self.ids)
+        self.emit_mask = True
+        if self.position_ids is None and not self.is_vl:
+            self.position_ids = span_positions(self.attention_mask)
 
     def conform(self, pos_rows: int | None) -> None:
         """Give a text-only file of a VL source what its VL rows carry, so any rows can share a micro-batch."""
@@ -257,11 +270,13 @@ class _Shard:
             out["position_ids"] = self.position_ids[r]
         if self.mm is not None and self.emit_mm:
             out["mm_token_type_ids"] = self.mm[r]
+        if self.emit_mask:
+            out["attention_mask"] = self.attention_mask[r].to(torch.int64)
         if s > seq_len:
             out = {k: v[..., :seq_len] for k, v in out.items()}
         elif s < seq_len:
             extra = seq_len - s
-            fill = {"input_ids": pad_id, "labels": IGNORE_INDEX, "mm_token_type_ids": 0}
+            fill = {"input_ids": pad_id, "labels": IGNORE_INDEX, "mm_token_type_ids": 0, "attention_mask": 0}
             padded = {}
             for k, v in out.items():
                 if k == "position_ids":  # keep counting past the last position: never a target anyway
@@ -281,6 +296,15 @@ class _Shard:
             out[pixels] = self.tensors.rows(pixels, int(offsets[a]), int(offsets[b]))
             out[grid] = grids[a:b].clone()
         return out
+
+
+def span_positions(mask: torch.Tensor) -> torch.Tensor:
+    """(N, S) positions counting from 0 on every run of equal mask values (real tokens, padding)."""
+    n, s = mask.shape
+    idx = torch.arange(s).expand(n, s)
+    edge = torch.ones_like(mask, dtype=torch.bool)
+    edge[:, 1:] = mask[:, 1:] != mask[:, :-1]
+    return (idx - torch.where(edge, idx, 0).cummax(1).values).contiguous()
 
 
 def _vision_setting(ctx: DataContext, extra: dict, key: str, default: Any = None) -> Any:
@@ -323,6 +347,9 @@ class PresetSource:
                     raise DataError(f"{sh.path}: rows of {sh.seq} tokens do not fit train.seq_len={seq_len} "
                                     "(VL rows are never truncated: that could cut an image)", hint=f"set train.seq_len={sh.seq}")
             self.collate = collate_vl
+        if any(sh.attention_mask is not None or sh.seq < seq_len for sh in shards):
+            for sh in shards:
+                sh.pass_mask()
 
     def __len__(self) -> int:
         return self.num_samples

@@ -9,13 +9,12 @@ default to the bounded schedule (every corpus within one sample of its weight at
 
 from __future__ import annotations
 
-from typing import Any
 
 import numpy as np
 import torch
 
 from hyperpar.data.megatron.blend import BlendSpec, build_gpt_dataset, check_schedule, parse_blend
-from hyperpar.data.megatron.gpt import GPTDatasetConfig
+from hyperpar.data.megatron.gpt import GPTDatasetConfig, ltor_masks_and_position_ids
 from hyperpar.errors import DataError
 
 IGNORE_INDEX = -100
@@ -25,9 +24,10 @@ class MegatronSource:
     """Either ``prefix`` (one corpus) or ``blend`` (``"0.3 /a 0.7 /b"`` or ``[{weight, prefix}]``).
 
     ``split`` is megatron's ``--split`` string (e.g. ``"969, 30, 1"``) when the run being matched
-    used one; None takes every sequence. With ``reset_attention_mask`` each sample also carries
-    ``cu_seqlens`` (int32, document-part boundaries padded to ``seq_len + 1`` with ``seq_len``) and
-    ``max_seqlen``, because a dense L x L mask is too big to ship per sample. ``blend_schedule``
+    used one; None takes every sequence. ``reset_position_ids`` or ``reset_attention_mask`` make the
+    positions restart at 0 after every EOD, which is how the models see a document start
+    (attention, GatedDeltaNet state and conv then stay inside each document; the two flags mean
+    the same here, as a restart is the boundary). ``blend_schedule``
     orders a blend's corpora: ``"bounded"`` (default) or ``"megatron"`` (upstream's order, to
     reproduce a Megatron-LM run); see ``hyperpar.data.megatron.blend``.
     """
@@ -63,21 +63,17 @@ class MegatronSource:
             raise IndexError(f"sample {index} out of range for {self._len} samples")
         s = self.dataset.sample(i)
         labels = np.where(s["loss_mask"] > 0, s["labels"], IGNORE_INDEX)
-        out: dict[str, Any] = {
+        positions = s["position_ids"]
+        if self.config.reset_attention_mask and not self.config.reset_position_ids:
+            positions = document_positions(s["tokens"], self.config.eod_token_id)
+        return {
             "input_ids": torch.from_numpy(s["tokens"]),
             "labels": torch.from_numpy(labels),
-            "position_ids": torch.from_numpy(s["position_ids"]),
+            "position_ids": torch.from_numpy(positions),
         }
-        if self.config.reset_attention_mask:
-            out.update(_cu_seqlens(s["tokens"], self.config.eod_token_id))
-        return out
 
 
-def _cu_seqlens(tokens: np.ndarray, eod: int | None) -> dict[str, torch.Tensor]:
-    length = tokens.shape[0]
-    cuts = np.flatnonzero(tokens == eod) + 1
-    bounds = np.concatenate(([0], cuts[cuts < length], [length]))
-    cu = np.full(length + 1, length, dtype=np.int32)
-    cu[:bounds.shape[0]] = bounds
-    return {"cu_seqlens": torch.from_numpy(cu),
-            "max_seqlen": torch.tensor(int(np.diff(bounds).max()), dtype=torch.int32)}
+def document_positions(tokens: np.ndarray, eod: int | None) -> np.ndarray:
+    """Positions restarting at 0 on the token after each EOD (megatron's ``reset_position_ids``)."""
+    _, _, positions = ltor_masks_and_position_ids(tokens, eod, True, False, False, False)
+    return positions
