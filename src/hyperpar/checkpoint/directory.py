@@ -192,7 +192,8 @@ def read_marker(ckpt: Path) -> dict[str, Any]:
 def verify_checkpoint(ckpt: Path) -> bool:
     """Every file the marker lists is there, of its size and checksum (one CheckpointError naming the
     first that is not). False: a checkpoint saved without checksums, nothing to compare."""
-    return integrity.verify(ckpt, read_marker(ckpt))
+    # config.yaml is a copy for export (``--config`` replaces it): it may be gone, not changed.
+    return integrity.verify(ckpt, read_marker(ckpt), optional=(CONFIG,))
 
 
 def prune(root: Path, keep_last: int, *, trusted: set[Path] | None = None) -> list[Path]:

@@ -70,14 +70,16 @@ def complete_manifest(root: Path, partial: dict[str, dict[str, Any]], skip: tupl
     return {**partial, **_hash_many(root, rest)}
 
 
-def verify(ckpt: Path, marker: dict[str, Any]) -> bool:
-    """Raise one CheckpointError naming the first file that is missing, resized or altered.
+def verify(ckpt: Path, marker: dict[str, Any], optional: tuple[str, ...] = ()) -> bool:
+    """Raise one CheckpointError naming the first file that is missing, resized or altered; a file
+    named in ``optional`` may be absent (a convenience copy), but not altered.
 
     Returns False (nothing checked) for a checkpoint saved before checksums were recorded.
     """
     files = marker.get("files")
     if not isinstance(files, dict):
         return False
+    files = {rel: v for rel, v in files.items() if rel not in optional or (ckpt / rel).is_file()}
     for rel, want in sorted(files.items()):
         p = ckpt / rel
         if not p.is_file():

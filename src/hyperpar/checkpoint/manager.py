@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
+from torch.distributed.checkpoint.api import CheckpointException as DCPException
 
 from hyperpar.checkpoint import directory as d
 from hyperpar.checkpoint import integrity
@@ -207,12 +208,16 @@ class Checkpointer:
         }
 
     def save(self, trainer) -> Path:
-        import torch.distributed.checkpoint as dcp
-
         self.wait()
         step = trainer.step
         tmp = self.root / f"{d.step_name(step)}.tmp"
         tensors, optim_other = st.split_state(trainer.model, trainer.optimizer)
+        with fault_hook_disk_full(step):
+            return self._save(trainer, step, tmp, tensors, optim_other)
+
+    def _save(self, trainer, step: int, tmp: Path, tensors: dict[str, Any], optim_other: dict[str, Any]) -> Path:
+        import torch.distributed.checkpoint as dcp
+
         try:
             if self.rank == 0:
                 d.prepare_tmp(self.root, step)
@@ -228,30 +233,33 @@ class Checkpointer:
                 self._pending = (fut, step, tmp, _state_bytes(tensors))
                 log.info("saving checkpoint step %d in the background", step)
                 return tmp
-            with fault_hook_disk_full(step):
-                dcp.save(tensors, checkpoint_id=str(tmp))
-        except Exception as e:  # noqa: BLE001 - DCP wraps a write error per rank; only a full disk is ours
+            dcp.save(tensors, checkpoint_id=str(tmp))
+        except (Exception, DCPException) as e:  # noqa: BLE001 - DCP wraps a write error per rank (a BaseException)
             self._failed_save(e, step, tmp, _state_bytes(tensors))
             raise
         return self._publish(step, tmp)
 
     def _failed_save(self, e: BaseException, step: int, tmp: Path, need: int) -> None:
-        """A full disk (ENOSPC / EDQUOT anywhere in DCP's wrapped errors) becomes one CheckpointError;
-        the half-written ``.tmp`` goes, so the previous checkpoint stays the resume point."""
-        full = disk_full_error(e)
-        if full is None:
-            return
-        self.last_saved_step = None
-        if self.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
+        """A full disk becomes one CheckpointError and the half-written ``.tmp`` goes, so the previous
+        checkpoint stays the resume point. "Full": an ENOSPC / EDQUOT anywhere in DCP's wrapped errors,
+        or less free space than the checkpoint needs (torch.save reports a failed write of its zip
+        stream as "unexpected pos", dropping the OSError)."""
         try:
             free = shutil.disk_usage(self.root).free
         except OSError:
             free = -1
+        full = disk_full_error(e)
+        if full is None and not 0 <= free < need:
+            return
+        self.last_saved_step = None
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
         previous = d.newest_complete(self.root)
-        where = getattr(full, "filename", None) or tmp
+        where = (full.filename if full is not None else None) or tmp
+        inner = next((v[0] for v in (getattr(e, "failures", None) or {}).values() if isinstance(v, tuple) and v), e)
+        why = (full.strerror if full is not None else None) or f"{type(inner).__name__}: {' '.join(str(inner).split())[:100]}"
         raise CheckpointError(
-            f"disk full: saving checkpoint {d.step_name(step)} failed writing '{where}' ({full.strerror or 'no space left'}); "
+            f"disk full: saving checkpoint {d.step_name(step)} failed writing '{where}' ({why}); "
             f"it needs about {_mb(need)} and {_mb(free) if free >= 0 else 'an unknown amount'} is free",
             hint=f"free space under {self.root}; " + (f"{previous.name} stays the resume point" if previous else
                                                         "no earlier checkpoint exists")) from None
@@ -288,7 +296,7 @@ class Checkpointer:
         result = getattr(fut, "upload_completion", fut)
         try:
             result.result()
-        except Exception as e:  # noqa: BLE001 - see save()
+        except (Exception, DCPException) as e:  # noqa: BLE001 - see save()
             self._failed_save(e, step, tmp, need)
             raise
         self._publish(step, tmp)
@@ -305,6 +313,16 @@ class Checkpointer:
         return path
 
 
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    """The driver's preflight and an in-process worker choose the same checkpoint: say why once."""
+    if message not in _warned:
+        _warned.add(message)
+        log.warning("%s", message)
+
+
 def newest_intact(root: Path) -> Path | None:
     """The newest complete checkpoint under ``root`` that passes :func:`check_intact`; each newer one
     that does not is skipped with a warning saying why. None when ``root`` has no complete one."""
@@ -317,10 +335,10 @@ def newest_intact(root: Path) -> Path | None:
             check_intact(p)
         except CheckpointError as e:
             skipped.append((p, e))
-            log.warning("skipping checkpoint %s: %s", p.name, e)
+            _warn_once(f"skipping checkpoint {p.name}: {e}")
             continue
         if skipped:
-            log.warning("using %s, the newest intact checkpoint (skipped %s)", p.name, ", ".join(q.name for q, _ in skipped))
+            _warn_once(f"using {p.name}, the newest intact checkpoint (skipped {', '.join(q.name for q, _ in skipped)})")
         return p
     if skipped:
         first, err = skipped[0]
@@ -340,7 +358,7 @@ def check_intact(path: Path) -> None:
     """The checkpoint's files are those its save recorded (checksums), its index reads without running
     code and points inside its data files, and its trainer state is readable. One CheckpointError if not."""
     path = Path(path)
-    if not integrity.verify(path, d.read_marker(path)):
+    if not d.verify_checkpoint(path):
         log.info("checkpoint %s was saved without checksums: only its structure is checked", path)
     metadata = st.read_metadata(path)
     st.check_files(path, metadata)
@@ -357,8 +375,9 @@ def disk_full_error(e: BaseException | None, _seen: set[int] | None = None) -> O
         return e
     inner = [e.__cause__, e.__context__, getattr(e, "exc", None)]
     failures = getattr(e, "failures", None)
-    if isinstance(failures, dict):
-        inner += list(failures.values())
+    if isinstance(failures, dict):  # DCP's CheckpointException: rank -> (exception, traceback)
+        for v in failures.values():
+            inner += list(v) if isinstance(v, tuple) else [v]
     for x in inner:
         if isinstance(x, BaseException) and (found := disk_full_error(x, seen)) is not None:
             return found
@@ -371,6 +390,8 @@ def _state_bytes(tensors: dict[str, dict[str, torch.Tensor]]) -> int:
 
 
 def _mb(n: int) -> str:
+    if n < 2**20:
+        return f"{n / 2**10:.0f} KB"
     return f"{n / 2**20:.1f} MB" if n < 2**30 else f"{n / 2**30:.2f} GB"
 
 

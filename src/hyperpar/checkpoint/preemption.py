@@ -20,8 +20,8 @@ Test hooks (environment variables, read by the worker; never set them in product
     Every rank SIGKILLs itself in the save of step ``n`` after the data is written and before the
     checkpoint is published (first attempt only): a save killed halfway.
 ``HYPERPAR_TEST_DISK_FULL_AT_SAVE=<n>``
-    In the save of step ``n`` every write of a DCP data file fails with ENOSPC after its first 4 KB,
-    through DCP's own file-system layer: a disk that fills up mid-save.
+    The disk fills up during the save of step ``n``: every write of a DCP data file fails with ENOSPC
+    after its first 4 KB (through DCP's own file-system layer), and the free space reads 4 KB.
 """
 
 from __future__ import annotations
@@ -141,8 +141,15 @@ def fault_hook_disk_full(step: int) -> Iterator[None]:
         with original(self, path, mode) as stream:
             yield _Full(stream, str(path)) if "w" in mode and str(path).endswith(".distcp") else stream
 
-    fs.FileSystem.create_stream = full_stream
+    import shutil
+
+    usage = shutil.disk_usage
+
+    def full_usage(path: Any) -> Any:
+        return usage(path)._replace(free=4096)
+
+    fs.FileSystem.create_stream, shutil.disk_usage = full_stream, full_usage
     try:
         yield
     finally:
-        fs.FileSystem.create_stream = original
+        fs.FileSystem.create_stream, shutil.disk_usage = original, usage

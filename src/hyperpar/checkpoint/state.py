@@ -165,6 +165,7 @@ def load_tensors(path: Path, tensors: dict[str, dict[str, torch.Tensor]], *, no_
     import warnings
 
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException as DCPException
 
     from hyperpar.checkpoint.safe_metadata import SafeFileSystemReader
 
@@ -174,7 +175,10 @@ def load_tensors(path: Path, tensors: dict[str, dict[str, torch.Tensor]], *, no_
             dcp.load(tensors, storage_reader=SafeFileSystemReader(str(path)), no_dist=no_dist)
     except CheckpointError:
         raise
-    except Exception as e:  # noqa: BLE001 - DCP wraps per-rank read errors in its own exception types
+    except (Exception, DCPException) as e:  # noqa: BLE001 - DCP wraps per-rank read errors (a BaseException)
+        inner = [v[0] for v in getattr(e, "failures", {}).values() if isinstance(v, tuple) and v]
+        if any(isinstance(x, CheckpointError) for x in inner):  # ours, e.g. the safe reader refusing an item
+            raise next(x for x in inner if isinstance(x, CheckpointError)) from None
         first = " ".join(str(e).split())[:300]
         raise CheckpointError(f"cannot read checkpoint '{path}': {type(e).__name__}: {first}",
                               hint="the checkpoint is damaged; use an earlier one") from None

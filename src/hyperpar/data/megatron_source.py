@@ -17,7 +17,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from hyperpar.data.megatron.blend import is_number
+from hyperpar.data.megatron.blend import check_blend_prefixes, is_number
 from hyperpar.data.registry import DataContext, register_dataset
 from hyperpar.errors import DataError
 
@@ -34,9 +34,10 @@ def _expand(prefix: Any) -> str:
 
 def _blend(blend: Any) -> Any:
     """Resolve ``~`` / ``pkg://`` in every prefix of a blend, whatever its spelling."""
+    check_blend_prefixes(blend)
     if isinstance(blend, str):
         words = blend.split()
-        return " ".join(w if _is_number(w) else _expand(w) for w in words)
+        return " ".join(w if is_number(w) else _expand(w) for w in words)
     out = []
     for entry in blend:
         if isinstance(entry, Mapping):  # a dict, or an OmegaConf DictConfig from a YAML list

@@ -103,7 +103,7 @@ class _Tensors:
         except Exception as e:  # noqa: BLE001 - safetensors / pickle errors: the file is not what we read
             kind = "a safetensors file" if path.name.endswith(".safetensors") else "a torch.save file of tensors"
             # The raw error (e.g. "KeyError: 101" for text in a .pt) says little; name the file and what it is not.
-            raise DataError(f"{path}: not {kind} ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'unreadable'})",
+            raise DataError(f"{path}: cannot read it: not {kind} ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'unreadable'})",
                             hint="data=preset reads .safetensors / .pt files holding input_ids (see docs/guide/data.md)") from None
 
     def get(self, key: str) -> torch.Tensor | None:

@@ -87,6 +87,17 @@ def is_number(word: str) -> bool:
     return True
 
 
+def check_blend_prefixes(spec: BlendSpec) -> None:
+    """``data.blend`` as a user writes it: a number where a corpus prefix belongs is a mistake ("0.3 0.7",
+    or an odd word count that upstream reads as all prefixes), not a corpus named "0.7" to fail on later
+    as "0.7.idx not found". ``parse_blend`` itself keeps megatron's reading."""
+    prefixes, _ = parse_blend(spec)
+    for p in prefixes:
+        if is_number(p):
+            raise DataError(f"data.blend {spec if isinstance(spec, str) else list(spec)!r}: {p!r} stands where a corpus prefix is expected",
+                            hint="give 'weight prefix' pairs, e.g. '0.3 /data/wiki 0.7 /data/code' (a numeric path: write ./0.7)")
+
+
 def parse_blend(spec: BlendSpec) -> tuple[list[str], list[float] | None]:
     """A blend string ``"0.3 /a 0.7 /b"``, a word list, or a list of ``{weight, prefix}`` mappings."""
     if isinstance(spec, str):
@@ -101,11 +112,6 @@ def parse_blend(spec: BlendSpec) -> tuple[list[str], list[float] | None]:
             raise DataError(f"blend weight is not a number: {e}") from None
     else:
         prefixes, weights = get_blend_from_list([str(w) for w in spec])
-    for p in prefixes:
-        if is_number(p):
-            # "0.3 0.7" or an odd word count: a weight read as a corpus, which would fail later as "0.7.idx not found".
-            raise DataError(f"data.blend {spec if isinstance(spec, str) else list(spec)!r}: {p!r} stands where a corpus prefix is expected",
-                            hint="give 'weight prefix' pairs, e.g. '0.3 /data/wiki 0.7 /data/code' (a numeric path: write ./0.7)")
     if weights is not None:
         if any(not math.isfinite(w) or w < 0 for w in weights) or sum(weights) <= 0:
             raise DataError(f"blend weights {weights} must be finite, non-negative, with a positive sum")
