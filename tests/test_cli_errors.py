@@ -17,7 +17,7 @@ CASES = [
     (["parallel=fsdp_tp2"], "not supported yet: tp=2"),
     (["parallel.world_size=2", "parallel.dp_shard=1", "parallel.cp=2"], "not supported yet: cp=2"),
     (["parallel.world_size=2", "parallel.dp_shard=1", "parallel.pp=2"], "not supported yet: pp=2"),
-    (["parallel.world_size=2", "parallel.dp_shard=2", "parallel.ep=2"], "not supported yet: ep=2"),
+    (["parallel.world_size=2", "parallel.dp_shard=2", "parallel.ep=2"], "parallel.ep=2 but the model has no experts"),
     (["model.hf_path=/nonexistent/model"], "model.hf_path '/nonexistent/model' does not exist"),
 ]
 

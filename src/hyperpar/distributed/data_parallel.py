@@ -8,6 +8,7 @@ from torch import nn
 
 from hyperpar.config import dtype_of
 from hyperpar.distributed.activation_checkpoint import apply_activation_checkpoint
+from hyperpar.distributed.expert_parallel import expert_parallel_modules
 from hyperpar.distributed.fsdp import apply_fsdp
 
 
@@ -28,11 +29,14 @@ def apply_ac_and_dp(
     for group in groups:
         apply_activation_checkpoint(group, train_cfg.activation_checkpoint)
     mp = train_cfg.mixed_precision
+    experts = list(expert_parallel_modules(model)) if parallel_dims.ep > 1 else []
     apply_fsdp(
         model,
         [block for group in groups for block in group.values()],
         parallel_dims.fsdp_mesh(),
         param_dtype=dtype_of(mp.param_dtype),
         reduce_dtype=dtype_of(mp.reduce_dtype),
+        expert_units=experts,
+        expert_mesh=parallel_dims.expert_fsdp_mesh() if experts else None,
     )
     return model

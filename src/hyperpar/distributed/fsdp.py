@@ -26,9 +26,16 @@ def apply_fsdp(
     param_dtype: torch.dtype,
     reduce_dtype: torch.dtype,
     reshard_after_forward: bool = True,
+    expert_units: Iterable[nn.Module] = (),
+    expert_mesh=None,
 ) -> nn.Module:
-    """Shard each block as its own unit, then the root (embeddings, final norm, head, tied weights)."""
+    """Shard each block as its own unit, then the root (embeddings, final norm, head, tied weights).
+
+    ``expert_units`` (expert-parallel experts, inside the blocks) are units of their own on
+    ``expert_mesh`` (the data-parallel ranks left after ep), sharded before the blocks holding them."""
     mp = mixed_precision_policy(param_dtype, reduce_dtype)
+    for unit in expert_units:
+        fully_shard(unit, mesh=expert_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
     blocks = list(blocks)
     for i, block in enumerate(blocks):
         # The last block's params are needed right away by backward; keeping them saves one all-gather.

@@ -3,6 +3,13 @@
 Axis order, outermost first: pp, dp_replicate, dp_shard, cp, tp. Flattened views that other code
 asks for: ``dp`` (replicate x shard: what the data loader splits over), ``dp_shard_cp`` (what FSDP
 shards over), ``dp_cp`` (what the loss token count is reduced over).
+
+Expert parallelism borrows its ``ep`` axis from ``dp_shard x cp`` (as torchtitan does): the
+flattened ``dp_shard_cp`` axis is split into (``efsdp``, ``ep``), ``ep`` innermost, so an EP group
+is ``ep`` neighbouring data-parallel (or context-parallel) ranks of one tp coordinate. Expert
+parameters are FSDP-sharded over (dp_replicate, efsdp); everything else over (dp_replicate,
+dp_shard_cp). Both meshes come from the one root mesh, so FSDP can combine them with the ep (x tp)
+mesh of the expert parameters.
 """
 
 from __future__ import annotations
@@ -15,7 +22,7 @@ from hyperpar.errors import PlanError
 AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 # Degrees > 1 on these axes are validated but not built yet; the driver rejects them up front.
-NOT_SUPPORTED_YET = ("cp", "ep", "pp")
+NOT_SUPPORTED_YET = ("cp", "pp")
 
 
 @dataclass
@@ -61,8 +68,12 @@ class ParallelDims:
                 f"dp_shard {self.dp_shard} x cp {self.cp} x tp {self.tp} = {product}, world_size = {self.world_size}",
                 hint="fix one degree, or set dp_shard=-1 to infer it",
             )
-        if self.ep > 1 and (self.dp_shard * self.cp * self.tp) % self.ep:
-            raise PlanError(f"ep {self.ep} must divide dp_shard*cp*tp = {self.dp_shard * self.cp * self.tp}")
+        if self.ep > 1 and (self.dp_shard * self.cp) % self.ep:
+            raise PlanError(
+                f"ep {self.ep} must divide dp_shard*cp = {self.dp_shard * self.cp} (experts are split over "
+                f"data/context-parallel ranks, not tensor-parallel ones)",
+                hint="raise dp_shard (or cp) to a multiple of ep, or lower ep",
+            )
         if self.vpp > 1 and self.pp == 1:
             raise PlanError("parallel.vpp > 1 needs pp > 1")
 
@@ -103,6 +114,8 @@ class ParallelDims:
         need(geometry.get("moe_intermediate_size", 0), tp, "expert intermediate size", "tp")
         need(geometry.get("shared_expert_intermediate_size", 0), tp, "shared-expert intermediate size", "tp")
         need(geometry.get("num_experts", 0), self.ep, "experts", "ep")
+        if self.ep > 1 and not geometry.get("num_experts", 0):
+            problems.append(f"parallel.ep={self.ep} but the model has no experts")
         layers = geometry.get("num_hidden_layers", 0)
         if self.pp > 1 and layers < self.pp * self.vpp:
             problems.append(f"{layers} layers cannot fill pp {self.pp} x vpp {self.vpp} stages")
@@ -126,6 +139,11 @@ class ParallelDims:
     @property
     def fsdp_size(self) -> int:
         return self.dp_shard * self.cp
+
+    @property
+    def efsdp(self) -> int:
+        """Ranks an expert parameter is FSDP-sharded over (dp_shard x cp left after ep)."""
+        return self.fsdp_size // self.ep
 
     def grad_accum_steps(self, global_batch_size: int, micro_batch_size: int) -> int:
         return global_batch_size // (micro_batch_size * self.dp)
@@ -151,10 +169,22 @@ class ParallelDims:
             "dp_cp": mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp"),
         }
         self._mesh = mesh
+        if self.ep > 1:
+            self._build_expert_mesh()
         return mesh
 
+    def _build_expert_mesh(self) -> None:
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # slicing a flattened dim: the view is what we want
+            dense = self._mesh["dp_replicate", "dp_shard_cp"]
+        experts = dense._unflatten(1, (self.efsdp, self.ep), ("efsdp", "ep"))
+        self._flat["ep"] = experts["ep"]
+        self._flat["expert_fsdp"] = experts["dp_replicate", "efsdp"]
+
     def submesh(self, name: str):
-        """A named 1-D view: an axis of AXES or a flattened one (dp, dp_shard_cp, dp_cp)."""
+        """A named 1-D view: an axis of AXES or a flattened one (dp, dp_shard_cp, dp_cp; ep with EP)."""
         if name in AXES:
             return self.mesh[name]
         return self._flat[name] if self._mesh is not None else self.mesh
@@ -168,6 +198,14 @@ class ParallelDims:
     def tp_mesh(self):
         """The 1-D tensor-parallel mesh (size 1 without TP)."""
         return self.mesh["tp"]
+
+    def ep_mesh(self):
+        """The 1-D expert-parallel mesh (only with ep > 1)."""
+        return self._flat["ep"]
+
+    def expert_fsdp_mesh(self):
+        """2-D (dp_replicate, efsdp) mesh the expert parameters are FSDP-sharded over (ep > 1)."""
+        return self._flat["expert_fsdp"]
 
     def fsdp_mesh(self):
         """2-D (replicate, shard) mesh: one FSDP code path covers single, DDP, FSDP and HSDP."""

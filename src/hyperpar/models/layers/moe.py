@@ -350,6 +350,11 @@ class _PermuteRows(torch.autograd.Function):
         return g.index_select(0, inv), None, None
 
 
+def permute_rows(x: torch.Tensor, idx: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
+    """``x[idx]`` for a permutation ``idx`` whose inverse is ``inv`` (backward: a gather by ``inv``)."""
+    return _PermuteRows.apply(x, idx, inv)
+
+
 def routed_experts(x: torch.Tensor, routing: Routing, experts: nn.Module) -> torch.Tensor:
     """``Σ_slots w · expert(x)`` for x (T, H): sort the (token, slot) pairs by expert, run
     ``experts(x_sorted, counts)``, weight in sorted order, restore (token, slot) order and sum the k

@@ -7,6 +7,7 @@ from __future__ import annotations
 from torch import nn
 
 from hyperpar.distributed.data_parallel import apply_ac_and_dp
+from hyperpar.distributed.expert_parallel import apply_expert_parallel
 from hyperpar.distributed.tensor_parallel import (
     ParallelStyle,
     apply_tensor_parallel,
@@ -33,6 +34,7 @@ def parallelize_qwen3_5(model: nn.Module, parallel_dims, job_cfg) -> nn.Module:
     parallel_dims.check_supported()
     if parallel_dims.tp > 1:
         apply_tensor_parallel(model, parallel_dims, causal_lm_tp_plan(model, parallel_dims, job_cfg.train))
+    apply_expert_parallel(model, parallel_dims)
     mtp = getattr(model, "mtp", None)
     extra = [mtp.layers] if mtp is not None else []
     return apply_ac_and_dp(model, model.model.layers, parallel_dims, job_cfg.train, extra_blocks=extra)

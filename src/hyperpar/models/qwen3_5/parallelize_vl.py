@@ -10,6 +10,7 @@ from __future__ import annotations
 from torch import nn
 
 from hyperpar.distributed.data_parallel import apply_ac_and_dp
+from hyperpar.distributed.expert_parallel import apply_expert_parallel
 from hyperpar.distributed.tensor_parallel import (
     FullSequence,
     ParallelStyle,
@@ -47,6 +48,7 @@ def parallelize_vl(model: nn.Module, parallel_dims, job_cfg) -> nn.Module:
     parallel_dims.check_supported()
     if parallel_dims.tp > 1:
         apply_tensor_parallel(model, parallel_dims, vl_tp_plan(model, parallel_dims, job_cfg.train))
+    apply_expert_parallel(model, parallel_dims)
     visual, mtp = model.model.visual, getattr(model, "mtp", None)
     extra = ([visual.blocks] if visual is not None else []) + ([mtp.layers] if mtp is not None else [])
     return apply_ac_and_dp(model, model.model.language_model.layers, parallel_dims, job_cfg.train, extra_blocks=extra)
