@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar
 
 from hyperpar.errors import ConfigError
+from hyperpar.models.hf_args import VL_KEYS, Entry, Fixed, Key, hf_entries, hf_fields
 from hyperpar.models.vision.args import VisionArgs
 
 LINEAR = "linear_attention"
@@ -16,6 +17,41 @@ FULL = "full_attention"
 def interval_layer_types(num_layers: int, interval: int = 4) -> list[str]:
     """transformers' expansion of ``full_attention_interval``: layer i is full iff (i+1) % interval == 0."""
     return [FULL if (i + 1) % interval == 0 else LINEAR for i in range(num_layers)]
+
+
+# config.json entries in transformers' order; absent ones take its class defaults (MODELS.md 2).
+TEXT_KEYS: tuple[Entry, ...] = (
+    Key("vocab_size", int),
+    Key("hidden_size", int),
+    Key("intermediate_size", int),
+    Key("num_hidden_layers", int),
+    Key("num_attention_heads", int),
+    Key("num_key_value_heads", int),
+    Key("head_dim", int, or_default=True),
+    Key("hidden_act", str),
+    Key("rms_norm_eps", float),
+    Key("layer_types", list, or_default=True, derive=lambda f, d: interval_layer_types(
+        f["num_hidden_layers"], int(d.get("full_attention_interval", 4)))),
+    Key("linear_conv_kernel_dim", int),
+    Key("linear_key_head_dim", int),
+    Key("linear_value_head_dim", int),
+    Key("linear_num_key_heads", int),
+    Key("linear_num_value_heads", int),
+    Fixed("rope_type", "default", rope=True, checked=True, reads=("rope_type", "type")),
+    Key("rope_theta", float, default=10000.0, rope=True),
+    Key("partial_rotary_factor", float, rope=True),
+    Key("mrope_section", list, rope=True, or_default=True),
+    Fixed("mrope_interleaved", True, rope=True),
+    Key("tie_word_embeddings", bool),
+    Key("attention_bias", bool),
+    Fixed("attention_dropout", 0.0, checked=True),
+    Key("max_position_embeddings", int),
+    Key("initializer_range", float),
+    Key("pad_token_id"),
+    Key("bos_token_id"),
+    Key("eos_token_id"),
+    Fixed("use_cache", True),
+)
 
 
 @dataclass
@@ -88,17 +124,9 @@ class Qwen3_5Args:
 
     # --- Hugging Face config.json --------------------------------------------------------------
 
-    # transformers' class defaults for fields a config.json may omit (not the released values)
-    HF_DEFAULTS: ClassVar[dict[str, Any]] = {
-        "vocab_size": 248320,
-        "hidden_size": 4096,
-        "intermediate_size": 12288,
-        "num_hidden_layers": 32,
-        "num_attention_heads": 16,
-        "num_key_value_heads": 4,
-    }
     HF_MODEL_TYPE: ClassVar[str] = "qwen3_5_text"
     HF_ARCHITECTURE: ClassVar[str] = "Qwen3_5ForCausalLM"
+    HF_KEYS: ClassVar[tuple[Entry, ...]] = TEXT_KEYS
 
     @staticmethod
     def split_composite(d: dict[str, Any]) -> tuple[dict[str, Any], bool]:
@@ -115,97 +143,26 @@ class Qwen3_5Args:
         return d, bool(d.get("tie_word_embeddings", False))
 
     @classmethod
-    def hf_text_fields(cls, text: dict[str, Any]) -> dict[str, Any]:
-        """Constructor fields read from a text config (tying excluded)."""
-        dflt = cls.HF_DEFAULTS
-        rope = dict(text.get("rope_parameters") or text.get("rope_scaling") or {})
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type != "default":
-            raise ConfigError(f"qwen3_5: rope_type '{rope_type}' is not supported", hint="only 'default' is")
-        if float(text.get("attention_dropout", 0.0) or 0.0) != 0.0:
-            raise ConfigError("qwen3_5: attention_dropout > 0 is not supported")
-        num_layers = int(text.get("num_hidden_layers", dflt["num_hidden_layers"]))
-        layer_types = text.get("layer_types") or interval_layer_types(
-            num_layers, int(text.get("full_attention_interval", 4))
-        )
-        fields = dict(
-            vocab_size=int(text.get("vocab_size", dflt["vocab_size"])),
-            hidden_size=int(text.get("hidden_size", dflt["hidden_size"])),
-            num_hidden_layers=num_layers,
-            num_attention_heads=int(text.get("num_attention_heads", dflt["num_attention_heads"])),
-            num_key_value_heads=int(text.get("num_key_value_heads", dflt["num_key_value_heads"])),
-            head_dim=int(text.get("head_dim") or 256),
-            rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
-            layer_types=list(layer_types),
-            linear_conv_kernel_dim=int(text.get("linear_conv_kernel_dim", 4)),
-            linear_key_head_dim=int(text.get("linear_key_head_dim", 128)),
-            linear_value_head_dim=int(text.get("linear_value_head_dim", 128)),
-            linear_num_key_heads=int(text.get("linear_num_key_heads", 16)),
-            linear_num_value_heads=int(text.get("linear_num_value_heads", 32)),
-            rope_theta=float(rope.get("rope_theta", text.get("rope_theta", 10000.0))),
-            partial_rotary_factor=float(rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25))),
-            mrope_section=list(rope.get("mrope_section") or [11, 11, 10]),
-            attention_bias=bool(text.get("attention_bias", False)),
-            hidden_act=str(text.get("hidden_act", "silu")),
-            max_position_embeddings=int(text.get("max_position_embeddings", 32768)),
-            initializer_range=float(text.get("initializer_range", 0.02)),
-            pad_token_id=text.get("pad_token_id"),
-            bos_token_id=text.get("bos_token_id"),
-            eos_token_id=text.get("eos_token_id"),
-        )
-        if "intermediate_size" in dflt:
-            fields["intermediate_size"] = int(text.get("intermediate_size", dflt["intermediate_size"]))
-        return fields
-
-    @classmethod
     def from_hf_config(cls, d: dict[str, Any]) -> "Qwen3_5Args":
         """From a ``qwen3_5_text`` config or a composite ``qwen3_5`` (VL) config with ``text_config``.
 
         Absent fields take transformers' class defaults (not the released values), except that
         tying follows the checkpoint's own class: a composite config ties by its top-level flag.
         """
-        if d.get("model_type") == "qwen3_5" and "text_config" not in d:
-            raise ConfigError("qwen3_5 composite config.json has no text_config")
+        composite = cls.HF_MODEL_TYPE.removesuffix("_text")
+        if d.get("model_type") == composite and "text_config" not in d:
+            raise ConfigError(f"{composite} composite config.json has no text_config")
         text, tie = cls.split_composite(d)
-        return cls(**cls.hf_text_fields(text), tie_word_embeddings=tie)
+        return cls(**{**hf_fields(cls, cls.text_config(d, text), "qwen3_5"), "tie_word_embeddings": tie})
+
+    @classmethod
+    def text_config(cls, d: dict[str, Any], text: dict[str, Any]) -> dict[str, Any]:
+        """The text part to read (a family may complete it from the composite level)."""
+        return text
 
     def to_hf_config(self) -> dict[str, Any]:
         """A text-only (``*ForCausalLM``) config.json with every field explicit."""
-        return {
-            "architectures": [self.HF_ARCHITECTURE],
-            "model_type": self.HF_MODEL_TYPE,
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "num_hidden_layers": self.num_hidden_layers,
-            "num_attention_heads": self.num_attention_heads,
-            "num_key_value_heads": self.num_key_value_heads,
-            "head_dim": self.head_dim,
-            "hidden_act": self.hidden_act,
-            "rms_norm_eps": self.rms_norm_eps,
-            "layer_types": list(self.layer_types),
-            "linear_conv_kernel_dim": self.linear_conv_kernel_dim,
-            "linear_key_head_dim": self.linear_key_head_dim,
-            "linear_value_head_dim": self.linear_value_head_dim,
-            "linear_num_key_heads": self.linear_num_key_heads,
-            "linear_num_value_heads": self.linear_num_value_heads,
-            "rope_parameters": {
-                "rope_type": "default",
-                "rope_theta": self.rope_theta,
-                "partial_rotary_factor": self.partial_rotary_factor,
-                "mrope_section": list(self.mrope_section),
-                "mrope_interleaved": True,
-            },
-            "tie_word_embeddings": self.tie_word_embeddings,
-            "attention_bias": self.attention_bias,
-            "attention_dropout": 0.0,
-            "max_position_embeddings": self.max_position_embeddings,
-            "initializer_range": self.initializer_range,
-            "pad_token_id": self.pad_token_id,
-            "bos_token_id": self.bos_token_id,
-            "eos_token_id": self.eos_token_id,
-            "use_cache": True,
-        }
+        return {"architectures": [self.HF_ARCHITECTURE], "model_type": self.HF_MODEL_TYPE, **hf_entries(self)}
 
     def replace(self, **changes: Any) -> "Qwen3_5Args":
         return type(self)(**{**asdict(self), **changes})
@@ -295,6 +252,7 @@ class Qwen3_5VLArgs:
     HF_MODEL_TYPE: ClassVar[str] = "qwen3_5"
     HF_ARCHITECTURE: ClassVar[str] = "Qwen3_5ForConditionalGeneration"
     VISION_MODEL_TYPE: ClassVar[str] = "qwen3_5_vision"
+    HF_KEYS: ClassVar[tuple[Entry, ...]] = VL_KEYS
 
     def __post_init__(self) -> None:
         if isinstance(self.text, dict):
@@ -333,11 +291,7 @@ class Qwen3_5VLArgs:
         return cls(
             text=cls.TEXT_CLS.from_hf_config(d),  # reads text_config; ties by the top-level flag
             vision=VisionArgs.from_hf_config({"model_type": cls.VISION_MODEL_TYPE, **d["vision_config"]}),
-            image_token_id=int(d.get("image_token_id", 248056)),
-            video_token_id=int(d.get("video_token_id", 248057)),
-            vision_start_token_id=int(d.get("vision_start_token_id", 248053)),
-            vision_end_token_id=int(d.get("vision_end_token_id", 248054)),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            **hf_fields(cls, d, cls.NAME),
         )
 
     def to_hf_config(self) -> dict[str, Any]:
@@ -349,11 +303,7 @@ class Qwen3_5VLArgs:
             "model_type": self.HF_MODEL_TYPE,
             "text_config": text,
             "vision_config": self.vision.to_hf_config(),
-            "image_token_id": self.image_token_id,
-            "video_token_id": self.video_token_id,
-            "vision_start_token_id": self.vision_start_token_id,
-            "vision_end_token_id": self.vision_end_token_id,
-            "tie_word_embeddings": self.tie_word_embeddings,
+            **hf_entries(self),
         }
 
     def replace(self, **changes: Any) -> "Qwen3_5VLArgs":

@@ -6,8 +6,24 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from hyperpar.errors import ConfigError
-from hyperpar.models.qwen3_5.args import FULL, LINEAR, Qwen3_5Args, Qwen3_5VLArgs, interval_layer_types
+from hyperpar.models.hf_args import Entry, Fixed, Key, replace_keys
+from hyperpar.models.qwen3_5.args import FULL, LINEAR, TEXT_KEYS, Qwen3_5Args, Qwen3_5VLArgs, interval_layer_types
 from hyperpar.models.vision import VisionArgs
+
+# The dense entries (intermediate_size is not one: every layer is MoE) and the experts'. Defaults are
+# the dataclass's, which are transformers' Qwen3_5MoeTextConfig defaults.
+MOE_TEXT_KEYS: tuple[Entry, ...] = replace_keys(TEXT_KEYS, drop=("intermediate_size",)) + (
+    Key("num_experts", int),
+    Key("num_experts_per_tok", int),
+    Key("moe_intermediate_size", int),
+    Key("shared_expert_intermediate_size", int),
+    Key("router_aux_loss_coef", float),
+    Fixed("output_router_logits", False),
+    # transformers' Qwen3.5-MoE cannot express norm_topk_prob=False; written only then, for us
+    Key("norm_topk_prob", bool, write_if=lambda a: not a.norm_topk_prob),
+    # not a transformers field; inference engines read it
+    Key("mtp_num_hidden_layers", int, or_default=True, write_if=lambda a: a.mtp_num_hidden_layers > 0),
+)
 
 
 @dataclass
@@ -30,15 +46,9 @@ class Qwen3_5MoeArgs(Qwen3_5Args):
     mtp_loss_weight: float = 0.0
     experts_impl: str = "auto"  # grouped | loop | auto (not a checkpoint field)
 
-    HF_DEFAULTS: ClassVar[dict[str, Any]] = {
-        "vocab_size": 248320,
-        "hidden_size": 2048,
-        "num_hidden_layers": 40,
-        "num_attention_heads": 16,
-        "num_key_value_heads": 2,
-    }
     HF_MODEL_TYPE: ClassVar[str] = "qwen3_5_moe_text"
     HF_ARCHITECTURE: ClassVar[str] = "Qwen3_5MoeForCausalLM"
+    HF_KEYS: ClassVar[tuple[Entry, ...]] = MOE_TEXT_KEYS
 
     def validate(self) -> None:
         super().validate()
@@ -65,46 +75,11 @@ class Qwen3_5MoeArgs(Qwen3_5Args):
         return self.mtp_num_hidden_layers > 0 and self.mtp_loss_weight > 0
 
     @classmethod
-    def hf_text_fields(cls, text: dict[str, Any]) -> dict[str, Any]:
-        fields = super().hf_text_fields(text)
-        fields.update(
-            num_experts=int(text.get("num_experts", 256)),
-            num_experts_per_tok=int(text.get("num_experts_per_tok", 8)),
-            moe_intermediate_size=int(text.get("moe_intermediate_size", 512)),
-            shared_expert_intermediate_size=int(text.get("shared_expert_intermediate_size", 512)),
-            norm_topk_prob=bool(text.get("norm_topk_prob", True)),
-            router_aux_loss_coef=float(text.get("router_aux_loss_coef", 0.001)),
-            mtp_num_hidden_layers=int(text.get("mtp_num_hidden_layers", 0) or 0),
-        )
-        return fields
-
-    @classmethod
-    def from_hf_config(cls, d: dict[str, Any]) -> "Qwen3_5MoeArgs":
-        """From a ``qwen3_5_moe_text`` config or a composite ``qwen3_5_moe`` (VL) config (its text part;
-        ``mtp_num_hidden_layers`` may sit in either level)."""
-        if d.get("model_type") == "qwen3_5_moe" and "text_config" not in d:
-            raise ConfigError("qwen3_5_moe composite config.json has no text_config")
-        text, tie = cls.split_composite(d)
+    def text_config(cls, d: dict[str, Any], text: dict[str, Any]) -> dict[str, Any]:
+        """A composite config's text part; ``mtp_num_hidden_layers`` may sit in either level."""
         if "mtp_num_hidden_layers" not in text and "mtp_num_hidden_layers" in d:
-            text = {**text, "mtp_num_hidden_layers": d["mtp_num_hidden_layers"]}
-        return cls(**cls.hf_text_fields(text), tie_word_embeddings=tie)
-
-    def to_hf_config(self) -> dict[str, Any]:
-        out = super().to_hf_config()
-        del out["intermediate_size"]
-        out.update(
-            num_experts=self.num_experts,
-            num_experts_per_tok=self.num_experts_per_tok,
-            moe_intermediate_size=self.moe_intermediate_size,
-            shared_expert_intermediate_size=self.shared_expert_intermediate_size,
-            router_aux_loss_coef=self.router_aux_loss_coef,
-            output_router_logits=False,
-        )
-        if not self.norm_topk_prob:  # transformers' Qwen3.5-MoE cannot express this; keep it for us
-            out["norm_topk_prob"] = False
-        if self.mtp_num_hidden_layers:  # not a transformers field; inference engines read it
-            out["mtp_num_hidden_layers"] = self.mtp_num_hidden_layers
-        return out
+            return {**text, "mtp_num_hidden_layers": d["mtp_num_hidden_layers"]}
+        return text
 
 
 FLAVORS: dict[str, Qwen3_5MoeArgs] = {

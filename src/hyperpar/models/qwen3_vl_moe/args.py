@@ -4,10 +4,47 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from hyperpar.errors import ConfigError
+from hyperpar.models.hf_args import VL_KEYS, Entry, Fixed, Key, hf_entries, hf_fields
 from hyperpar.models.vision import VisionArgs
+
+
+# config.json entries of the text part in transformers' order; absent ones take its class defaults
+# (the dataclass defaults but for rope_theta and the head geometry, which follows the width).
+TEXT_KEYS: tuple[Entry, ...] = (
+    Fixed("model_type", "qwen3_vl_moe_text"),
+    Key("vocab_size", int),
+    Key("hidden_size", int),
+    Key("intermediate_size", int),
+    Key("num_hidden_layers", int),
+    Key("num_attention_heads", int),
+    Key("num_key_value_heads", int, or_default=True, derive=lambda f, d: f["num_attention_heads"]),
+    Key("head_dim", int, or_default=True, derive=lambda f, d: f["hidden_size"] // f["num_attention_heads"]),
+    Key("hidden_act", str),
+    Key("rms_norm_eps", float),
+    Fixed("rope_type", "default", rope=True, checked=True, reads=("rope_type", "type")),
+    Key("rope_theta", float, default=500000.0, rope=True),
+    Key("mrope_section", list, rope=True, or_default=True),
+    Fixed("mrope_interleaved", True, rope=True),
+    Key("num_experts", int, name="num_local_experts", reads=("num_experts", "num_local_experts")),  # saved under the alias
+    Key("num_experts_per_tok", int),
+    Key("moe_intermediate_size", int),
+    Key("decoder_sparse_step", int),
+    Key("mlp_only_layers", list, or_default=True),
+    Key("router_aux_loss_coef", float),
+    Fixed("output_router_logits", False),
+    Key("attention_bias", bool),
+    Fixed("attention_dropout", 0.0, checked=True),
+    Key("max_position_embeddings", int),
+    Key("initializer_range", float),
+    Key("tie_word_embeddings", bool),
+    Key("pad_token_id"),
+    Key("bos_token_id"),
+    Key("eos_token_id"),
+    Fixed("use_cache", True),
+)
 
 
 @dataclass
@@ -36,6 +73,8 @@ class Qwen3VLMoeTextArgs:
     pad_token_id: int | None = None
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
+
+    HF_KEYS: ClassVar[tuple[Entry, ...]] = TEXT_KEYS
 
     def __post_init__(self) -> None:
         self.mrope_section = [int(x) for x in self.mrope_section]
@@ -69,77 +108,10 @@ class Qwen3VLMoeTextArgs:
 
     @classmethod
     def from_hf_config(cls, t: dict[str, Any]) -> "Qwen3VLMoeTextArgs":
-        rope = dict(t.get("rope_parameters") or t.get("rope_scaling") or {})
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type != "default":
-            raise ConfigError(f"qwen3_vl_moe: rope_type '{rope_type}' is not supported", hint="only 'default' is")
-        if float(t.get("attention_dropout", 0.0) or 0.0) != 0.0:
-            raise ConfigError("qwen3_vl_moe: attention_dropout > 0 is not supported")
-        hidden = int(t.get("hidden_size", 2048))
-        heads = int(t.get("num_attention_heads", 16))
-        num_experts = t.get("num_experts", t.get("num_local_experts", 60))  # saved under the alias
-        return cls(
-            vocab_size=int(t.get("vocab_size", 151936)),
-            hidden_size=hidden,
-            intermediate_size=int(t.get("intermediate_size", 5632)),
-            num_hidden_layers=int(t.get("num_hidden_layers", 24)),
-            num_attention_heads=heads,
-            num_key_value_heads=int(t.get("num_key_value_heads") or heads),
-            head_dim=int(t.get("head_dim") or hidden // heads),
-            rms_norm_eps=float(t.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(rope.get("rope_theta", t.get("rope_theta", 500000.0))),
-            mrope_section=list(rope.get("mrope_section") or [24, 20, 20]),
-            num_experts=int(num_experts),
-            num_experts_per_tok=int(t.get("num_experts_per_tok", 4)),
-            moe_intermediate_size=int(t.get("moe_intermediate_size", 1408)),
-            decoder_sparse_step=int(t.get("decoder_sparse_step", 1)),
-            mlp_only_layers=list(t.get("mlp_only_layers") or []),
-            router_aux_loss_coef=float(t.get("router_aux_loss_coef", 0.001)),
-            attention_bias=bool(t.get("attention_bias", False)),
-            hidden_act=str(t.get("hidden_act", "silu")),
-            max_position_embeddings=int(t.get("max_position_embeddings", 128000)),
-            initializer_range=float(t.get("initializer_range", 0.02)),
-            tie_word_embeddings=bool(t.get("tie_word_embeddings", True)),
-            pad_token_id=t.get("pad_token_id"),
-            bos_token_id=t.get("bos_token_id"),
-            eos_token_id=t.get("eos_token_id"),
-        )
+        return cls(**hf_fields(cls, t, "qwen3_vl_moe"))
 
     def to_hf_config(self) -> dict[str, Any]:
-        return {
-            "model_type": "qwen3_vl_moe_text",
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "num_hidden_layers": self.num_hidden_layers,
-            "num_attention_heads": self.num_attention_heads,
-            "num_key_value_heads": self.num_key_value_heads,
-            "head_dim": self.head_dim,
-            "hidden_act": self.hidden_act,
-            "rms_norm_eps": self.rms_norm_eps,
-            "rope_parameters": {
-                "rope_type": "default",
-                "rope_theta": self.rope_theta,
-                "mrope_section": list(self.mrope_section),
-                "mrope_interleaved": True,
-            },
-            "num_local_experts": self.num_experts,
-            "num_experts_per_tok": self.num_experts_per_tok,
-            "moe_intermediate_size": self.moe_intermediate_size,
-            "decoder_sparse_step": self.decoder_sparse_step,
-            "mlp_only_layers": list(self.mlp_only_layers),
-            "router_aux_loss_coef": self.router_aux_loss_coef,
-            "output_router_logits": False,
-            "attention_bias": self.attention_bias,
-            "attention_dropout": 0.0,
-            "max_position_embeddings": self.max_position_embeddings,
-            "initializer_range": self.initializer_range,
-            "tie_word_embeddings": self.tie_word_embeddings,
-            "pad_token_id": self.pad_token_id,
-            "bos_token_id": self.bos_token_id,
-            "eos_token_id": self.eos_token_id,
-            "use_cache": True,
-        }
+        return hf_entries(self)
 
 
 @dataclass
@@ -151,6 +123,8 @@ class Qwen3VLMoeArgs:
     vision_start_token_id: int = 151652
     vision_end_token_id: int = 151653
     tie_word_embeddings: bool = False  # top-level flag: what Qwen3VLMoeForConditionalGeneration ties by
+
+    HF_KEYS: ClassVar[tuple[Entry, ...]] = VL_KEYS
 
     def __post_init__(self) -> None:
         if isinstance(self.text, dict):
@@ -189,11 +163,7 @@ class Qwen3VLMoeArgs:
         return cls(
             text=Qwen3VLMoeTextArgs.from_hf_config(d["text_config"]),
             vision=VisionArgs.from_hf_config({"model_type": "qwen3_vl_moe_vision", **d["vision_config"]}),
-            image_token_id=int(d.get("image_token_id", 151655)),
-            video_token_id=int(d.get("video_token_id", 151656)),
-            vision_start_token_id=int(d.get("vision_start_token_id", 151652)),
-            vision_end_token_id=int(d.get("vision_end_token_id", 151653)),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            **hf_fields(cls, d, "qwen3_vl_moe"),
         )
 
     def to_hf_config(self) -> dict[str, Any]:
@@ -203,11 +173,7 @@ class Qwen3VLMoeArgs:
             "model_type": "qwen3_vl_moe",
             "text_config": self.text.to_hf_config(),
             "vision_config": self.vision.to_hf_config(),
-            "image_token_id": self.image_token_id,
-            "video_token_id": self.video_token_id,
-            "vision_start_token_id": self.vision_start_token_id,
-            "vision_end_token_id": self.vision_end_token_id,
-            "tie_word_embeddings": self.tie_word_embeddings,
+            **hf_entries(self),
         }
 
     def replace(self, **changes: Any) -> "Qwen3VLMoeArgs":

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from hyperpar.errors import ConfigError
+from hyperpar.models.hf_args import Entry, Fixed, Key, hf_entries, hf_fields
 
 ACTIVATIONS = ("gelu_pytorch_tanh", "gelu")
 
@@ -22,6 +23,29 @@ def _int_or_first(value: Any, name: str) -> int:
             raise ConfigError(f"vision_config.{name}={list(value)}: only equal sizes are supported")
         value = value[0]
     return int(value)
+
+
+# config.json entries in transformers' order; absent ones take its class defaults (the dataclass's).
+VISION_KEYS: tuple[Entry, ...] = (
+    Key("model_type", str),
+    Key("depth", int, reads=("depth", "num_hidden_layers")),
+    Key("hidden_size", int),
+    Key("hidden_act", str),
+    Key("intermediate_size", int),
+    Key("num_heads", int, reads=("num_heads", "num_attention_heads")),
+    Key("in_channels", int),
+    Key("patch_size", lambda v: _int_or_first(v, "patch_size")),
+    Key("spatial_merge_size", int),
+    Key("temporal_patch_size", lambda v: _int_or_first(v, "temporal_patch_size")),
+    Key("out_hidden_size", int),
+    Key("num_position_embeddings", int),
+    Key("initializer_range", float),
+    Fixed("rope_type", "axial", rope=True, checked=True),
+    Key("rope_theta", float, rope=True),
+    # Qwen3-VL-MoE's class default is [8, 16, 24]; Qwen3.5 vision configs have no such field.
+    Key("deepstack_visual_indexes", list, derive=lambda f, d: [8, 16, 24] if "vl_moe" in f["model_type"] else [],
+        write_if=lambda a: bool(a.deepstack_visual_indexes) or "vl_moe" in a.model_type),
+)
 
 
 @dataclass
@@ -41,6 +65,8 @@ class VisionArgs:
     rope_theta: float = 10000.0
     initializer_range: float = 0.02
     model_type: str = "qwen3_vl_moe_vision"
+
+    HF_KEYS: ClassVar[tuple[Entry, ...]] = VISION_KEYS
 
     def __post_init__(self) -> None:
         self.deepstack_visual_indexes = [int(i) for i in self.deepstack_visual_indexes]
@@ -87,51 +113,11 @@ class VisionArgs:
     @classmethod
     def from_hf_config(cls, d: dict[str, Any]) -> "VisionArgs":
         """From a ``vision_config`` dict; absent fields take transformers' class defaults."""
-        rope = dict(d.get("rope_parameters") or {})
-        model_type = str(d.get("model_type", "qwen3_vl_moe_vision"))
-        # Qwen3-VL-MoE's class default is [8, 16, 24]; Qwen3.5 vision configs have no such field.
-        deepstack = d.get("deepstack_visual_indexes", [8, 16, 24] if "vl_moe" in model_type else [])
-        rope_type = rope.get("rope_type", "axial")
-        if rope_type != "axial":
-            raise ConfigError(f"vision: rope_type '{rope_type}' is not supported", hint="only 'axial' is")
-        return cls(
-            depth=int(d.get("depth", d.get("num_hidden_layers", 27))),
-            hidden_size=int(d.get("hidden_size", 1152)),
-            hidden_act=str(d.get("hidden_act", "gelu_pytorch_tanh")),
-            intermediate_size=int(d.get("intermediate_size", 4304)),
-            num_heads=int(d.get("num_heads", d.get("num_attention_heads", 16))),
-            in_channels=int(d.get("in_channels", 3)),
-            patch_size=_int_or_first(d.get("patch_size", 16), "patch_size"),
-            spatial_merge_size=int(d.get("spatial_merge_size", 2)),
-            temporal_patch_size=_int_or_first(d.get("temporal_patch_size", 2), "temporal_patch_size"),
-            out_hidden_size=int(d.get("out_hidden_size", 3584)),
-            num_position_embeddings=int(d.get("num_position_embeddings", 2304)),
-            deepstack_visual_indexes=list(deepstack),
-            rope_theta=float(rope.get("rope_theta", 10000.0)),
-            initializer_range=float(d.get("initializer_range", 0.02)),
-            model_type=model_type,
-        )
+        return cls(**hf_fields(cls, d, "vision"))
 
     def to_hf_config(self) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            "model_type": self.model_type,
-            "depth": self.depth,
-            "hidden_size": self.hidden_size,
-            "hidden_act": self.hidden_act,
-            "intermediate_size": self.intermediate_size,
-            "num_heads": self.num_heads,
-            "in_channels": self.in_channels,
-            "patch_size": self.patch_size,
-            "spatial_merge_size": self.spatial_merge_size,
-            "temporal_patch_size": self.temporal_patch_size,
-            "out_hidden_size": self.out_hidden_size,
-            "num_position_embeddings": self.num_position_embeddings,
-            "initializer_range": self.initializer_range,
-            "rope_parameters": {"rope_type": "axial", "rope_theta": self.rope_theta},
-        }
-        if self.deepstack_visual_indexes or "vl_moe" in self.model_type:
-            out["deepstack_visual_indexes"] = list(self.deepstack_visual_indexes)
-        return out
+        return hf_entries(self)
 
     def replace(self, **changes: Any) -> "VisionArgs":
         return type(self)(**{**asdict(self), **changes})
+
