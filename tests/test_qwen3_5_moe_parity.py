@@ -397,7 +397,7 @@ def test_hf_config_round_trip_and_spec() -> None:
     assert spec_for_hf_model_type("qwen3_5_moe_text") is spec
     assert "qwen3_5_moe" in spec.hf_model_types and spec.default_data == "dummy"
     assert set(spec.flavors) >= {"debug", "35b_a3b"}
-    assert Qwen3_5MoeForCausalLM.block_cls.__name__ == "Qwen3_5MoeDecoderLayer"
+    assert Qwen3_5MoeForCausalLM.text_model_cls.layer_cls.__name__ == "Qwen3_5MoeDecoderLayer"
 
 
 def test_activation_checkpointing_keeps_grads_and_aux() -> None:

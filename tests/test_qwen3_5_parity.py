@@ -274,7 +274,7 @@ def test_spec_registered() -> None:
     assert spec.model_cls is Qwen3_5ForCausalLM and spec.args_cls is Qwen3_5Args
     assert set(spec.flavors) >= {"debug", "0.8b", "4b", "9b", "27b"}
     assert callable(spec.parallelize)
-    assert Qwen3_5ForCausalLM.block_cls.__name__ == "Qwen3_5DecoderLayer"
+    assert Qwen3_5ForCausalLM.text_model_cls.layer_cls.__name__ == "Qwen3_5DecoderLayer"
 
 
 def test_activation_checkpointing_wrapped_blocks() -> None:
@@ -285,7 +285,7 @@ def test_activation_checkpointing_wrapped_blocks() -> None:
     plain = ours_from_hf(hf, cfg)
     wrapped = copy.deepcopy(plain)
     for key, block in list(wrapped.model.layers.items()):
-        assert isinstance(block, Qwen3_5ForCausalLM.block_cls)
+        assert isinstance(block, Qwen3_5ForCausalLM.text_model_cls.layer_cls)
         wrapped.model.layers[key] = checkpoint_wrapper(block)
     ids = ids_for(40)
     for m in (plain, wrapped):

@@ -132,5 +132,5 @@ def make_plan(cfg: DictConfig, *, strict: bool = True) -> Plan:
         pdims=pdims, model_desc=builder.describe(), total_params=total, largest_block_params=largest,
         params_per_rank=per_rank, mem_params_mb=per_rank * master / mb, mem_grads_mb=per_rank * master / mb,
         mem_optim_mb=2 * per_rank * master / mb, mem_gathered_mb=2 * largest * compute / mb,
-        grad_accum=max(1, t.global_batch_size // max(1, t.micro_batch_size * pdims.dp)), problems=problems,
+        grad_accum=pdims.grad_accum_steps(t.global_batch_size, t.micro_batch_size), problems=problems,
     )

@@ -17,20 +17,9 @@ from torch import nn
 from hyperpar.checkpoint import directory as d
 from hyperpar.checkpoint.state import check_compatible, check_files, load_tensors, model_template, read_metadata, tied_aliases
 from hyperpar.errors import CheckpointError
+from hyperpar.models.spec import spec_of_model
 
 log = logging.getLogger("hyperpar")
-
-
-def spec_of(model: nn.Module):
-    """The family that builds ``model`` (FSDP2 wraps it in a subclass); the most derived registered class
-    wins, since one family may subclass another's model (MoE over dense)."""
-    from hyperpar.models.spec import registered_models
-
-    mro = type(model).__mro__
-    found = [(mro.index(s.model_cls), s) for s in registered_models().values() if isinstance(s.model_cls, type) and s.model_cls in mro]
-    if not found:
-        raise CheckpointError(f"no registered model family builds {type(model).__name__}")
-    return min(found, key=lambda x: x[0])[1]
 
 
 def plain_model(spec, args) -> nn.Module:
@@ -77,7 +66,7 @@ def export_live(model: nn.Module, out_dir: str | Path, *, rank: int, max_shard_s
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank != 0:
         return None
-    plain = assign_full_state(spec_of(model), model.args, full)
+    plain = assign_full_state(spec_of_model(model), model.args, full)  # FSDP2 wraps it in a subclass
     del full
     return write_hf(plain, out_dir, max_shard_size=max_shard_size)
 

@@ -35,10 +35,6 @@ class DistributedBatchLoader:
         self.collate = collate or getattr(source, "collate", None) or collate_text
         self.step = 0
 
-    @property
-    def grad_accum(self) -> int:
-        return self.global_batch_size // (self.micro_batch_size * self.dp_size)
-
     def indices_for_step(self, step: int) -> list[int]:
         per_rank = self.global_batch_size // self.dp_size
         start = step * self.global_batch_size + self.dp_rank * per_rank

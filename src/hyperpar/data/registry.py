@@ -86,13 +86,12 @@ def check_options(name: str, options: dict[str, Any]) -> None:
 
 
 def _load_builtin() -> None:
+    # Importing the builders registers their types.
     import hyperpar.data.dummy  # noqa: F401
-    for optional in ("vl_dummy", "hf", "preset", "megatron_source"):
-        try:
-            __import__(f"hyperpar.data.{optional}")
-        except ModuleNotFoundError as e:
-            if e.name != f"hyperpar.data.{optional}":
-                raise
+    import hyperpar.data.hf  # noqa: F401
+    import hyperpar.data.megatron.builder  # noqa: F401
+    import hyperpar.data.preset  # noqa: F401
+    import hyperpar.data.vl_dummy  # noqa: F401
 
 
 def available() -> list[str]:

@@ -14,14 +14,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-_WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_fsdp_wrapped_module.", "_orig_mod.")
-
-
-def canonical_name(name: str) -> str:
-    """Parameter name as the model and the checkpoint know it, without wrapper prefixes."""
-    for p in _WRAPPER_PREFIXES:
-        name = name.replace(p, "")
-    return name
+from hyperpar.models.param_names import canonical_name
 
 
 def param_generator(seed: int, name: str) -> torch.Generator:

@@ -250,10 +250,6 @@ class VisionLanguageHooks:
         if self.args.tie_word_embeddings and self.lm_head is not None and emb is not None:
             self.lm_head.weight = emb.weight
 
-    @property
-    def tied_weights(self) -> dict[str, str]:
-        return {"lm_head.weight": "model.language_model.embed_tokens.weight"} if self.args.tie_word_embeddings else {}
-
     def init_param(self, name: str, full: torch.Tensor, gen: torch.Generator) -> None:
         """Fill the full-shaped fp32 tensor of parameter ``name`` in place (a pure function of gen)."""
         prefix = "model.visual."

@@ -8,7 +8,7 @@ initial weights) or loads them through ``adapter``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
 import torch
@@ -49,7 +49,6 @@ class ModelSpec:
     # that load the same model_type)
     hf_architectures: tuple[str, ...] = ()
     default_data: str = "dummy"  # data config a bare `model=<name>` trains on
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def args_for(self, flavor: str) -> Any:
         if flavor not in self.flavors:
@@ -74,12 +73,8 @@ def register_model(spec: ModelSpec) -> ModelSpec:
 def _load_builtin() -> None:
     # Importing the family packages registers their specs.
     import hyperpar.models.qwen3_5  # noqa: F401
-    for optional in ("qwen3_5_moe", "qwen3_vl_moe"):
-        try:
-            __import__(f"hyperpar.models.{optional}")
-        except ModuleNotFoundError as e:  # family not written yet
-            if e.name != f"hyperpar.models.{optional}":
-                raise
+    import hyperpar.models.qwen3_5_moe  # noqa: F401
+    import hyperpar.models.qwen3_vl_moe  # noqa: F401
 
 
 def get_model_spec(name: str) -> ModelSpec:

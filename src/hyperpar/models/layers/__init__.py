@@ -27,6 +27,7 @@ from hyperpar.models.layers.moe import (
 )
 from hyperpar.models.layers.norms import GatedRMSNorm, RMSNorm
 from hyperpar.models.layers.rope import RotaryEmbedding, apply_rotary
+from hyperpar.models.param_names import WRAPPER_ATTRS
 
 __all__ = [
     "Attention",
@@ -54,9 +55,9 @@ __all__ = [
     "recurrent_gated_delta_rule",
 ]
 
-# Wrappers that parallelisation may insert between a module and its children; their extra name
-# segment is skipped when resolving a parameter name to the module that owns it.
-_WRAPPER_ATTRS = ("_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module", "module")
+# Wrappers that parallelisation may insert between a module and its children (DDP's ``module`` too);
+# their extra name segment is skipped when resolving a parameter name to the module that owns it.
+_WRAPPER_ATTRS = (*WRAPPER_ATTRS, "module")
 
 
 def _owner(root: nn.Module, path: list[str]) -> nn.Module:

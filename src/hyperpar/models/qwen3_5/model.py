@@ -138,7 +138,6 @@ class Qwen3_5ForCausalLM(nn.Module):
     token: padding runs become documents of their own (no real token attends to them).
     """
 
-    block_cls = Qwen3_5DecoderLayer
     text_model_cls = Qwen3_5TextModel  # a MoE family swaps in its own stack
 
     def __init__(self, args: Qwen3_5Args) -> None:
@@ -156,13 +155,6 @@ class Qwen3_5ForCausalLM(nn.Module):
         """
         if self.args.tie_word_embeddings and self.lm_head is not None and self.model.embed_tokens is not None:
             self.lm_head.weight = self.model.embed_tokens.weight
-
-    @property
-    def tied_weights(self) -> dict[str, str]:
-        """Parameter name → the name it is tied to. A pipeline stage that holds the head but not
-        the embedding should initialise (seed) and load ``lm_head.weight`` under the embedding's
-        name, so both copies start equal."""
-        return {"lm_head.weight": "model.embed_tokens.weight"} if self.args.tie_word_embeddings else {}
 
     def forward(
         self,

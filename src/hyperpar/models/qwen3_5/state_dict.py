@@ -14,16 +14,8 @@ import torch
 
 from hyperpar.errors import CheckpointError
 from hyperpar.models.fused import FusedPart
+from hyperpar.models.param_names import canonical_name
 from hyperpar.models.qwen3_5.args import Qwen3_5Args
-
-# Wrapper segments that parallelisation may add to parameter names.
-_WRAPPER_SEGMENTS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
-
-
-def canonical_name(name: str) -> str:
-    for seg in _WRAPPER_SEGMENTS:
-        name = name.replace(seg, "")
-    return name
 
 
 # Our split GatedDeltaNet parameters -> (fused checkpoint name, part index); rows [Q; K; V].

@@ -120,7 +120,6 @@ class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
     ``lm_head`` (a pipeline stage) forward returns the hidden states like the dense model.
     """
 
-    block_cls = Qwen3_5MoeDecoderLayer
     text_model_cls = Qwen3_5MoeTextModel
 
     def __init__(self, args: Qwen3_5MoeArgs) -> None:

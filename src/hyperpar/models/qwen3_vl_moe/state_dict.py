@@ -13,17 +13,10 @@ import torch
 
 from hyperpar.errors import CheckpointError
 from hyperpar.models.experts_io import expert_part, export_expert_part, read_expert_part
+from hyperpar.models.param_names import canonical_name
 from hyperpar.models.qwen3_vl_moe.args import Qwen3VLMoeArgs
 
-# Wrapper segments that parallelisation may add to parameter names.
-_WRAPPER_SEGMENTS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
 _PREFIXES = ("model.visual.", "model.language_model.")
-
-
-def canonical_name(name: str) -> str:
-    for seg in _WRAPPER_SEGMENTS:
-        name = name.replace(seg, "")
-    return name
 
 
 class Qwen3VLMoeStateDictAdapter:

@@ -17,7 +17,8 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from hyperpar.data.megatron.blend import check_blend_prefixes, is_number
+from hyperpar.data.megatron.blend import SCHEDULES, check_blend_prefixes, is_number
+from hyperpar.data.megatron.source import MegatronSource
 from hyperpar.data.registry import DataContext, register_dataset
 from hyperpar.errors import DataError
 
@@ -51,8 +52,6 @@ def _blend(blend: Any) -> Any:
 @register_dataset("megatron", fields=("prefix", "blend", "split", "tokenizer", "cache_dir"),
                   extra=("split", "eod_token_id", "reset_position_ids", "reset_attention_mask", "eod_mask_loss", "blend_schedule"))
 def build_megatron(options: dict, ctx: DataContext) -> Any:
-    from hyperpar.data.megatron import SCHEDULES, MegatronSource
-
     extra = dict(options.get("extra") or {})
     prefix, blend = options.get("prefix"), options.get("blend")
     if (prefix is None) == (blend is None or blend == [] or blend == ""):
