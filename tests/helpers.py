@@ -98,7 +98,8 @@ def hf_named_grads(model) -> dict:
     from hyperpar.models.spec import spec_of_model
 
     adapter = spec_of_model(model).adapter(model.args)
-    return dict(join_parts(kv for n, p in model.named_parameters() for kv in adapter.export_param(n, p.grad).items()))
+    grads = ((n, p.grad) for n, p in model.named_parameters() if p.grad is not None)
+    return dict(join_parts(kv for n, g in grads for kv in adapter.export_param(n, g).items()))
 
 
 def perturb_(model, seed: int):

@@ -504,9 +504,9 @@ def test_vl_matches_transformers(kind: str) -> None:
         ref.loss.backward()
         (lm + out.aux_loss).backward()
         hf_params = dict(hf.named_parameters())
-        for name, p in ours.named_parameters():
+        for name, g in hf_named_grads(ours).items():
             if name.startswith("model.visual.") and hf_params[name].grad is not None:
-                assert (p.grad - hf_params[name].grad).abs().max().item() <= 1e-5, name
+                assert (g - hf_params[name].grad).abs().max().item() <= 1e-5, name
 
 
 def test_vl_export_import_and_text_family_reads_vl_checkpoint(tmp_path: Path) -> None:

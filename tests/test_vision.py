@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from fixtures import qwen3_5_vision, vl_moe_vision
+from hyperpar.models.vision.state_dict import export_vision_param, load_vision_param
 from hyperpar.errors import DataError
 from hyperpar.models.multimodal import add_deepstack, deepstack_inputs, get_rope_index, scatter_features
 from hyperpar.models.vision import VisionArgs, VisionTower, patch_coords, position_interpolation
@@ -48,12 +49,20 @@ def _tower_pair(cfg: dict):
         ours = VisionTower(args)
     ours.to_empty(device="cpu")
     sd = hf.state_dict()
-    assert set(sd) == {n for n, _ in ours.named_parameters()}
+    assert set(sd) == set(hf_names(dict(ours.named_parameters())))
     with torch.no_grad():
         for name, p in ours.named_parameters():
-            assert p.shape == sd[name].shape, name
-            p.copy_(sd[name])
+            t = load_vision_param(name, sd.__getitem__)  # our split q/k/v from the fused qkv
+            assert p.shape == t.shape, name
+            p.copy_(t)
     return hf, ours.train()
+
+
+def hf_names(tensors: dict) -> dict:
+    """Our tower's tensors (parameters or grads) under the checkpoint's names (q/k/v fused)."""
+    from hyperpar.models.fused import join_parts
+
+    return dict(join_parts(kv for n, t in tensors.items() for kv in export_vision_param(n, t).items()))
 
 
 def _pixels(grid: torch.Tensor, width: int, seed: int = 2) -> torch.Tensor:
@@ -76,10 +85,10 @@ def test_tower_matches_transformers_with_deepstack() -> None:
     loss_ref.backward()
     loss.backward()
     hf_grads = dict(hf.named_parameters())
-    for name, p in ours.named_parameters():
+    assert all(p.grad is not None for p in ours.parameters())
+    for name, g in hf_names({n: p.grad for n, p in ours.named_parameters()}).items():
         ref_grad = hf_grads[name].grad
-        assert p.grad is not None, name
-        assert (p.grad - ref_grad).abs().max().item() <= 1e-4 * max(1.0, ref_grad.abs().max().item()), name
+        assert (g - ref_grad).abs().max().item() <= 1e-4 * max(1.0, ref_grad.abs().max().item()), name
 
 
 def test_tower_with_our_init_matches_transformers() -> None:
@@ -100,7 +109,7 @@ def test_tower_with_our_init_matches_transformers() -> None:
             ours.init_param(name, full, param_generator(7, name))
             p.copy_(full)
     hf = Qwen3VLMoeVisionModel(Qwen3VLMoeVisionConfig(**VL_MOE_VISION)).float().eval()
-    missing, unexpected = hf.load_state_dict(dict(ours.named_parameters()), strict=True)
+    missing, unexpected = hf.load_state_dict(hf_names(dict(ours.named_parameters())), strict=True)
     assert not missing and not unexpected
     px = _pixels(GRIDS, args.patch_dim)
     with torch.no_grad():

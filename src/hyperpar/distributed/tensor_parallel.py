@@ -160,37 +160,41 @@ class ExpertTensorParallel(ParallelStyle):
 class FullSequence(ParallelStyle):
     """The module sees plain full tensors: DTensor inputs (sequence-sharded or replicated) are
     gathered. Its tensor output is handed back as given by ``out_layout``: None (plain),
-    ``Replicate()`` or ``Shard(1)`` (a DTensor)."""
+    ``Replicate()`` or ``Shard(1)`` (a DTensor). Parameters are left alone (hooks only)."""
 
     def __init__(self, out_layout: Any = None) -> None:
         super().__init__()
         self.out_layout = out_layout
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        def input_fn(mod: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
-            return tuple(x.redistribute(mesh, [Replicate()]).to_local() if isinstance(x, DTensor) else x for x in inputs)
+        def pre(mod: nn.Module, inputs: tuple) -> tuple:
+            return tuple(x.redistribute(device_mesh, [Replicate()]).to_local() if isinstance(x, DTensor) else x
+                         for x in inputs)
 
-        def output_fn(mod: nn.Module, out: Any, mesh: DeviceMesh) -> Any:
+        def post(mod: nn.Module, inputs: tuple, out: Any) -> Any:
             if self.out_layout is None or not isinstance(out, torch.Tensor):
                 return out
-            full = DTensor.from_local(out, mesh, [Replicate()], run_check=False)
-            return full if self.out_layout == Replicate() else full.redistribute(mesh, [self.out_layout])
+            full = DTensor.from_local(out, device_mesh, [Replicate()], run_check=False)
+            return full if self.out_layout == Replicate() else full.redistribute(device_mesh, [self.out_layout])
 
-        return distribute_module(module, device_mesh, None, input_fn, output_fn)
+        module.register_forward_pre_hook(pre)
+        module.register_forward_hook(post)
+        return module
 
 
 class ToSequenceShards(ParallelStyle):
     """The module's first input (full, replicated, plain) becomes sequence-sharded ``Shard(1)``:
-    where a VL model hands merged text+vision embeddings to its text decoder."""
+    where a VL model hands merged text+vision embeddings to its text decoder. Hooks only."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        def input_fn(mod: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
+        def pre(mod: nn.Module, inputs: tuple) -> tuple:
             x = inputs[0]
             if isinstance(x, torch.Tensor) and x.is_floating_point() and not isinstance(x, DTensor):
-                x = DTensor.from_local(x, mesh, [Replicate()], run_check=False).redistribute(mesh, [Shard(1)])
+                x = DTensor.from_local(x, device_mesh, [Replicate()], run_check=False).redistribute(device_mesh, [Shard(1)])
             return (x, *inputs[1:])
 
-        return distribute_module(module, device_mesh, None, input_fn, None)
+        module.register_forward_pre_hook(pre)
+        return module
 
 
 # --- plans for the shared layers ------------------------------------------------------------------

@@ -169,19 +169,22 @@ class ModelBuilder:
         return model
 
     def weight_source(self):
-        """A ``source(name, shape)`` for materialize() that reads this checkpoint, or None for fresh init."""
+        """A ``source(name, shape, index=None)`` for materialize() that reads the box ``index`` of this
+        checkpoint's tensor for a parameter (None: all of it), or None for fresh init."""
         if not self.load_weights:
             return None
         from hyperpar.models.hf_io import HFCheckpoint
+        from hyperpar.models.lazy_tensor import read_box
 
         ckpt = HFCheckpoint(self.hf_path)
         adapter = self.spec.adapter(self.args)
 
-        def source(name: str, shape: tuple[int, ...]) -> torch.Tensor:
-            tensor = adapter.load_param(name, ckpt.read)
+        def source(name: str, shape: tuple[int, ...], index: tuple[slice, ...] | None = None) -> torch.Tensor:
+            # Lazy reads: a sharded parameter's rank reads only its box of the checkpoint tensor.
+            tensor = adapter.load_param(name, ckpt.read_lazy)
             if tuple(tensor.shape) != shape:
                 raise CheckpointError(f"{self.hf_path}: parameter {name} has shape {tuple(tensor.shape)} in the checkpoint, model expects {shape}")
-            return tensor.float()
+            return read_box(tensor, index).float()
 
         return source
 

@@ -19,6 +19,8 @@ from safetensors.torch import save_file
 from torch import nn
 
 from hyperpar.errors import CheckpointError
+from hyperpar.models.fused import join_parts
+from hyperpar.models.lazy_tensor import LazyTensor
 from hyperpar.models.spec import ModelSpec, registered_models, spec_for_hf_config, spec_of_model
 
 log = logging.getLogger(__name__)
@@ -109,6 +111,19 @@ class HFCheckpoint:
     def read(self, key: str) -> torch.Tensor:
         """The full tensor ``key`` on CPU in its stored dtype."""
         return self._handle(key).get_tensor(key)
+
+    def read_lazy(self, key: str) -> LazyTensor:
+        """``key`` as a LazyTensor: indexing it reads only that box (``safe_open(...).get_slice``)."""
+        sl = self._handle(key).get_slice(key)
+        shape = tuple(sl.get_shape())
+        dtype = _ST_DTYPES.get(sl.get_dtype(), torch.float32)
+
+        def fetch(index: tuple[slice, ...]) -> torch.Tensor:
+            if not shape:
+                return self.read(key)
+            return sl[index]
+
+        return LazyTensor(shape, dtype, fetch)
 
     def read_meta(self, key: str) -> torch.Tensor:
         """A meta tensor with ``key``'s shape and dtype (reads only the header)."""
@@ -295,13 +310,23 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 
 def _export_items(model: nn.Module, adapter: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    def mapped() -> Iterator[tuple[str, Any]]:
+        for name, t in model.state_dict().items():
+            yield from adapter.export_param(name, t).items()
+
     seen: set[str] = set()
-    for name, t in model.state_dict().items():
-        for key, out in adapter.export_param(name, t).items():
-            if key in seen:
-                raise CheckpointError(f"export writes '{key}' twice")
-            seen.add(key)
-            yield key, out
+    for key, out in join_parts(mapped()):
+        if key in seen:
+            raise CheckpointError(f"export writes '{key}' twice")
+        seen.add(key)
+        yield key, out
+
+
+def hf_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's tensors under the checkpoint's key names and layouts (what ``to_hf`` writes),
+    fused tensors concatenated; a tied ``lm_head`` is left out as the checkpoint does."""
+    spec = _spec_of(model)
+    return {key: _full(t) for key, t in _export_items(model, spec.adapter(getattr(model, "args")))}
 
 
 def to_hf(model: nn.Module, path: str | Path, max_shard_size: int | str = "2GB") -> None:

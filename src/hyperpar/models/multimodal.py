@@ -166,6 +166,14 @@ def add_deepstack(hidden: torch.Tensor, visual_mask: torch.Tensor, feature: torc
     return hidden.reshape(B * S, H).index_add(0, index, feature.to(hidden.dtype)).view(B, S, H)
 
 
+class DeepStackInjection(nn.Module):
+    """``add_deepstack`` as a module (no parameters): the seam where a parallelizer hands it whole
+    sequences (sequence parallelism shards the hidden states it adds into)."""
+
+    def forward(self, hidden: torch.Tensor, visual_mask: torch.Tensor, feature: torch.Tensor) -> torch.Tensor:
+        return add_deepstack(hidden, visual_mask, feature)
+
+
 def tower_features(
     visual: nn.Module | None,
     merge_unit: int,

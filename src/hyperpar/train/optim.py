@@ -27,9 +27,11 @@ def build_optimizer(model: nn.Module, *, name: str = "adamw", lr: float, weight_
 
 
 def _local_and_copies(g: torch.Tensor, world: int) -> tuple[torch.Tensor, int]:
-    """This rank's piece of a gradient and how many ranks hold the same piece (replicated dims)."""
+    """This rank's piece of a gradient and how many ranks of its pipeline stage (``world`` ranks)
+    hold the same piece: the replicated dims of its mesh, times the ranks outside its mesh (a
+    parameter that tensor parallelism leaves alone lives on a data-parallel mesh only)."""
     if isinstance(g, DTensor):
-        copies = 1
+        copies = world // g.device_mesh.size()
         for size, placement in zip(g.device_mesh.shape, g.placements):
             if placement.is_partial():
                 raise RuntimeError("gradient still Partial at clipping time (a reduction was skipped)")
@@ -41,19 +43,20 @@ def _local_and_copies(g: torch.Tensor, world: int) -> tuple[torch.Tensor, int]:
 
 
 @torch.no_grad()
-def clip_grad_norm(parameters, max_norm: float) -> torch.Tensor:
+def clip_grad_norm(parameters, max_norm: float, *, pp: int = 1) -> torch.Tensor:
     """Global L2 norm over (possibly sharded, on any mix of meshes: dp, dp x tp, pipeline stages)
     grads, with one all-reduce of a scalar; clips in place when ``max_norm > 0``.
 
     Each rank adds the squares of its pieces, each divided by the number of ranks that hold the
-    same piece, so the world sum counts every element once; every rank gets the same value."""
+    same piece, so the world sum counts every element once; every rank gets the same value.
+    ``pp``: pipeline stages (each holds different parameters, spread over world / pp ranks)."""
     import torch.distributed as dist
 
     params = [p for p in parameters if p.grad is not None]
     world = dist.get_world_size() if dist.is_initialized() else 1
     by_copies: dict[int, list[torch.Tensor]] = {}
     for p in params:
-        local, copies = _local_and_copies(p.grad, world)
+        local, copies = _local_and_copies(p.grad, world // pp)
         by_copies.setdefault(copies, []).append(local)
     device = params[0].grad.device if params else torch.device("cpu")
     total_sq = torch.zeros((), dtype=torch.float32, device=device)

@@ -15,6 +15,7 @@ import torch
 from hyperpar.errors import CheckpointError
 from hyperpar.models.qwen3_5.args import Qwen3_5VLArgs
 from hyperpar.models.qwen3_5.state_dict import Qwen3_5StateDictAdapter, canonical_name
+from hyperpar.models.vision.state_dict import export_vision_param, load_vision_param
 
 _VL_TEXT = "model.language_model."
 _TEXT = "model."
@@ -48,10 +49,7 @@ class Qwen3_5VLStateDictAdapter:
         if text_name is not None:
             return self.text.load_param(text_name, lambda key: read(_vl_key(key)))
         if name.startswith(_VISUAL):
-            try:
-                return read(name)
-            except KeyError:
-                raise CheckpointError(f"checkpoint has no tensor for '{name}'") from None
+            return load_vision_param(name, read)
         raise CheckpointError(f"qwen3_5_vl: parameter '{name}' has no checkpoint key")
 
     def export_param(self, name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -60,7 +58,7 @@ class Qwen3_5VLStateDictAdapter:
         if text_name is not None:
             return {_vl_key(k): t for k, t in self.text.export_param(text_name, tensor).items()}
         if name.startswith(_VISUAL):
-            return {name: tensor}
+            return export_vision_param(name, tensor)
         raise CheckpointError(f"qwen3_5_vl: parameter '{name}' has no checkpoint key")
 
     def hf_config(self) -> dict[str, Any]:

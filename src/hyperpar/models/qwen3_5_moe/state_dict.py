@@ -23,6 +23,7 @@ import torch
 from hyperpar.errors import CheckpointError
 from hyperpar.models.experts_io import expert_part, export_expert_part, read_expert_part
 from hyperpar.models.fused import FusedPart
+from hyperpar.models.vision.state_dict import export_vision_param, load_vision_param
 from hyperpar.models.qwen3_5.state_dict import Qwen3_5StateDictAdapter, canonical_name, export_gdn_part, load_gdn_part
 from hyperpar.models.qwen3_5_moe.args import Qwen3_5MoeArgs, Qwen3_5MoeVLArgs
 
@@ -97,6 +98,8 @@ class Qwen3_5MoeVLStateDictAdapter:
         experts = self._text.load_experts(name, read)
         if experts is not None:
             return experts
+        if name.startswith("model.visual."):
+            return load_vision_param(name, read)
         keys = self.hf_keys(name)
         for key in keys:
             try:
@@ -115,6 +118,8 @@ class Qwen3_5MoeVLStateDictAdapter:
         part = expert_part(name)
         if part is not None:
             return export_expert_part(*part, tensor)
+        if name.startswith("model.visual."):
+            return export_vision_param(name, tensor)
         self.hf_keys(name)  # rejects names that are not ours
         return {name: tensor}
 

@@ -30,7 +30,7 @@ from hyperpar.models.layers import (
 )
 from hyperpar.models.multimodal import (
     VisionLanguageHooks,
-    add_deepstack,
+    DeepStackInjection,
     deepstack_inputs,
     get_rope_index,
     scatter_features,
@@ -93,6 +93,7 @@ class Qwen3VLMoeTextModel(nn.Module):
         self.norm: RMSNorm | None = RMSNorm(args.hidden_size, args.rms_norm_eps, offset=False)
         # Owned here, not by the layers: cos/sin are computed once per forward and passed down.
         self.rotary_emb = RotaryEmbedding(args.head_dim, args.rope_theta, 1.0, args.mrope_section)
+        self.deepstack = DeepStackInjection()
 
     def forward(
         self,
@@ -118,7 +119,7 @@ class Qwen3VLMoeTextModel(nn.Module):
             hidden = layer(hidden, cos, sin, attention_mask, doc=doc)
             i = int(name)
             if i < len(deepstack):
-                hidden = add_deepstack(hidden, visual_mask, deepstack[i])
+                hidden = self.deepstack(hidden, visual_mask, deepstack[i])
         return self.norm(hidden) if self.norm is not None else hidden
 
 

@@ -13,6 +13,7 @@ import torch
 
 from hyperpar.errors import CheckpointError
 from hyperpar.models.experts_io import expert_part, export_expert_part, read_expert_part
+from hyperpar.models.vision.state_dict import export_vision_param, load_vision_param
 from hyperpar.models.param_names import canonical_name
 from hyperpar.models.qwen3_vl_moe.args import Qwen3VLMoeArgs
 
@@ -37,6 +38,8 @@ class Qwen3VLMoeStateDictAdapter:
                 return read_expert_part(*part, read, E=t.num_experts, H=t.hidden_size, Ie=t.moe_intermediate_size)
             except KeyError:
                 raise CheckpointError(f"checkpoint has no tensor for '{name}' (packed or per expert)") from None
+        if name.startswith("model.visual."):
+            return load_vision_param(name, read)
         keys = [name]
         if name == "lm_head.weight" and self.args.tie_word_embeddings:
             # A tied checkpoint has no lm_head tensor; a pipeline stage holding only the head still
@@ -57,6 +60,8 @@ class Qwen3VLMoeStateDictAdapter:
         part = expert_part(name)
         if part is not None:
             return export_expert_part(*part, tensor)
+        if name.startswith("model.visual."):
+            return export_vision_param(name, tensor)
         return {name: tensor}
 
     def hf_config(self) -> dict[str, Any]:

@@ -45,20 +45,27 @@ class PatchEmbed(nn.Module):
 
 
 class VisionAttention(nn.Module):
-    """Fused ``qkv`` (rows [q; k; v], head-major), 2-D rotary in fp32, per-frame softmax, ``proj``."""
+    """q/k/v projections, 2-D rotary in fp32, per-frame softmax, ``proj``.
+
+    The checkpoint fuses q, k, v in one ``qkv`` (rows [q; k; v]); here they are three Linears so
+    tensor parallelism can split all three by heads (``models/vision/state_dict.py`` fuses and
+    unfuses them)."""
 
     def __init__(self, hidden_size: int, num_heads: int, rope_theta: float) -> None:
         super().__init__()
         self.num_heads = num_heads
         self.head_dim = hidden_size // num_heads
         self.rope_theta = rope_theta
-        self.qkv = nn.Linear(hidden_size, 3 * hidden_size, bias=True)
+        self.q = nn.Linear(hidden_size, hidden_size, bias=True)
+        self.k = nn.Linear(hidden_size, hidden_size, bias=True)
+        self.v = nn.Linear(hidden_size, hidden_size, bias=True)
         self.proj = nn.Linear(hidden_size, hidden_size, bias=True)
 
     def forward(self, x: torch.Tensor, coords: torch.Tensor, runs: list[tuple[int, int]]) -> torch.Tensor:
         N = x.shape[0]
         hd = self.head_dim
-        q, k, v = self.qkv(x).view(N, 3, -1, hd).unbind(1)  # (N, heads, hd) each
+        # -1 heads: a head-sharded (TP) block holds fewer
+        q, k, v = (proj(x).view(N, -1, hd) for proj in (self.q, self.k, self.v))  # (N, heads, hd) each
         # cos/sin are rebuilt from the integer coordinates in every block: cheap, and they stay fp32
         # even when FSDP mixed precision casts the block's floating-point inputs.
         cos, sin = vision_rotary(coords, hd, self.rope_theta)

@@ -1,0 +1,172 @@
+"""Tensor (+ sequence, loss) parallelism: every family's gradient under tp layouts equals one
+process's, parameter by parameter; an unusual HF checkpoint loads rank-locally and trains; a
+parity sweep through the CLI holds per step; checkpoints cross layouts; exports reload."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from fixtures import qwen3_5 as tiny_qwen3_5
+from helpers import cli_env, records
+from layout_grads import layout_grads, max_rel_grad_diff
+
+# One step, global batch 4 of 32 tokens, 2 micro-batches per rank on 1 data-parallel rank.
+STEP = ["train.seq_len=32", "train.global_batch_size=4", "train.micro_batch_size=1"]
+
+
+def _compare(model: str, layout: str, world: int, extra: list[str] = ()) -> None:
+    base = [f"model={model}", *STEP, *extra]
+    ref = layout_grads(["parallel=single", *base], 1)
+    got = layout_grads([f"parallel={layout}", *base], world)
+    diff, where = max_rel_grad_diff(ref, got)
+    print(f"{model} {layout} {' '.join(extra)}: loss {ref['loss']:.6f} vs {got['loss']:.6f}, "
+          f"grad norm {ref['grad_norm']:.6f} vs {got['grad_norm']:.6f}, max rel grad diff {diff:.2e} ({where})")
+    assert abs(ref["loss"] - got["loss"]) <= 1e-5
+    assert abs(ref["grad_norm"] - got["grad_norm"]) <= 1e-5 * max(1.0, ref["grad_norm"])
+    assert diff <= 1e-5, where
+
+
+@pytest.mark.parametrize("model", ["qwen3_5", "qwen3_5_moe", "qwen3_5_vl", "qwen3_5_moe_vl", "qwen3_vl_moe"])
+def test_tp2_gradients_equal_one_process(model: str) -> None:
+    extra = ["model.mtp_loss_weight=0.3"] if model in ("qwen3_5_moe", "qwen3_5_moe_vl") else []
+    _compare(model, "tp2", 2, extra)
+
+
+@pytest.mark.parametrize(
+    ("model", "layout", "extra"),
+    [
+        ("qwen3_5_moe", "fsdp_tp2", ["model.mtp_loss_weight=0.3"]),  # FSDP over a TP-sharded model, MTP on
+        ("qwen3_vl_moe", "hsdp2_tp2", ["parallel.vision_tp=true"]),  # replicate x tp, vision tower TP'd
+        ("qwen3_5", "fsdp2_tp2_nosp", []),  # replicated residual stream (no SP)
+    ],
+)
+def test_tp_combinations_gradients_equal_one_process(model: str, layout: str, extra: list[str]) -> None:
+    _compare(model, layout, 4, extra)
+
+
+def test_kv_heads_fewer_than_tp_are_replicated() -> None:
+    """1 KV head under tp 2: both ranks compute it, each keeps it for its query heads; gradients summed."""
+    _compare("qwen3_5", "tp2", 2, ["+model.overrides.num_key_value_heads=1"])
+
+
+def _unusual_checkpoint(path: Path) -> dict:
+    """An HF Qwen3.5 checkpoint with an odd geometry (saved by transformers): 1 KV head, 6 query
+    heads, untied, 3 layers L F L, dk 24 ≠ dv 16, hidden 96, vocab 1000."""
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    cfg = tiny_qwen3_5(hidden_size=96, num_attention_heads=6, num_key_value_heads=1, head_dim=16, intermediate_size=160,
+                       linear_num_key_heads=2, linear_num_value_heads=6, linear_key_head_dim=24, linear_value_head_dim=16,
+                       num_hidden_layers=3, layer_types=["linear_attention", "full_attention", "linear_attention"],
+                       vocab_size=1000, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    Qwen3_5ForCausalLM(Qwen3_5TextConfig(**cfg)).save_pretrained(str(path))
+    return cfg
+
+
+def test_hf_checkpoint_loads_rank_locally_and_trains_under_tp2(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    _unusual_checkpoint(ckpt)
+    base = [f"model.hf_path={ckpt}", *STEP]
+    ref = layout_grads(["parallel=single", *base], 1)
+    got = layout_grads(["parallel=tp2", *base], 2)
+    diff, where = max_rel_grad_diff(ref, got)
+    full = ref["load"]["local_param_bytes"]
+    local, read = got["load"]["local_param_bytes"], got["load"]["read_bytes"]
+    peak = local + got["load"]["max_read_bytes"]
+    print(f"rank-local HF load under tp2: full model {full / 1e6:.3f} MB; rank 0 holds {local / 1e6:.3f} MB "
+          f"({local / full:.2f}), read {read / 1e6:.3f} MB, peak resident {peak / 1e6:.3f} MB ({peak / full:.2f} of full)")
+    assert abs(ref["loss"] - got["loss"]) <= 1e-5 and diff <= 1e-5, where
+    assert read == local  # every byte read is a byte kept: no full tensor of a sharded parameter
+    assert peak <= 0.6 * full
+
+
+def _cli(run_dir: Path, args: list[str], timeout: float = 900) -> subprocess.CompletedProcess:
+    res = subprocess.run([sys.executable, "-m", "hyperpar", *args, f"hydra.run.dir={run_dir}"], cwd=run_dir.parent,
+                         env=cli_env(), capture_output=True, text=True, timeout=timeout)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return res
+
+
+RUN = ["train.seq_len=32", "train.global_batch_size=4", "train.micro_batch_size=1", "launch.threads_per_rank=1",
+       "train.steps=8"]
+
+
+def test_parity_sweep_tp_layouts_vl_moe(tmp_path: Path) -> None:
+    """The headline: qwen3_vl_moe (images and videos) under tp2, fsdp_tp2 and hsdp2_tp2 matches single
+    per step through the CLI's parity sweep (which exits non-zero on any miss)."""
+    sweep = tmp_path / "sweep"
+    res = subprocess.run([sys.executable, "-m", "hyperpar", "-m", "model=qwen3_vl_moe",
+                          "parallel=single,tp2,fsdp_tp2,hsdp2_tp2", "+experiment=parity", *RUN,
+                          f"hydra.sweep.dir={sweep}", "parity.tolerance_step=1e-5"],
+                         cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=1800)
+    assert res.returncode == 0, res.stderr[-3000:]
+    report = json.loads((sweep / "parity.json").read_text())
+    print((sweep / "parity.md").read_text())
+    assert report
+
+
+def test_checkpoint_crosses_tp_layouts_and_export_reloads(tmp_path: Path) -> None:
+    """Saved under fsdp_tp2 at step 4, resumed under single and fsdp2: steps 5-8 equal an
+    uninterrupted single run; the TP run's HF export reloads in transformers with equal logits."""
+    ck = ["checkpoint=default", "checkpoint.save_steps=4"]
+    ref = tmp_path / "ref"
+    _cli(ref, ["parallel=single", *RUN])
+    tp = tmp_path / "tp"
+    _cli(tp, ["parallel=fsdp_tp2", *RUN, *ck, "train.stop_after_steps=4", "checkpoint.export_hf_at_end=true"])
+    step4 = tp / "checkpoints" / "step_4"
+    assert step4.is_dir()
+    want = records(ref)
+    for layout in ("single", "fsdp2"):
+        run = tmp_path / f"resume_{layout}"
+        _cli(run, [f"parallel={layout}", *RUN, *ck, f"checkpoint.load_path={step4}"])
+        got = records(run)
+        for s in range(5, 9):
+            assert abs(got[s]["loss"] - want[s]["loss"]) <= 1e-5, (layout, s)
+    # and the other way round: single's step-4 checkpoint resumed under fsdp_tp2
+    one = tmp_path / "one"
+    _cli(one, ["parallel=single", *RUN, *ck, "train.stop_after_steps=4"])
+    back = tmp_path / "back"
+    _cli(back, ["parallel=fsdp_tp2", *RUN, *ck, f"checkpoint.load_path={one / 'checkpoints' / 'step_4'}"])
+    got = records(back)
+    for s in range(5, 9):
+        assert abs(got[s]["loss"] - want[s]["loss"]) <= 1e-5, s
+    _export_reloads(tp)
+
+
+def _export_reloads(run: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from hyperpar.models import from_hf
+
+    hf_dir = next(run.glob("**/hf"), None) or run / "hf"
+    assert (hf_dir / "config.json").is_file(), list(run.iterdir())
+    hf = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
+    ours = from_hf(hf_dir).eval()
+    ids = torch.randint(0, 2048, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        out = ours(ids)
+        diff = (hf(input_ids=ids, use_cache=False).logits - getattr(out, "logits", out)).abs().max().item()
+    assert diff <= 1e-5
+
+
+@pytest.mark.slow
+def test_bf16_vl_moe_single_vs_fsdp_tp2_100_steps(tmp_path: Path) -> None:
+    """bf16 params, fp32 reduce: the mean loss over 100 steps of fsdp_tp2 is within 5e-3 of single's."""
+    bf16 = ["model=qwen3_vl_moe", "train.mixed_precision.param_dtype=bfloat16", "train.steps=100",
+            "train.seq_len=32", "train.global_batch_size=4", "train.micro_batch_size=1", "launch.threads_per_rank=1"]
+    means = []
+    for layout in ("single", "fsdp_tp2"):
+        run = tmp_path / layout
+        _cli(run, [f"parallel={layout}", *bf16], timeout=1800)
+        losses = [r["loss"] for r in records(run).values()]
+        assert len(losses) == 100
+        means.append(sum(losses) / len(losses))
+    print(f"bf16 qwen3_vl_moe mean loss over 100 steps: single {means[0]:.5f}, fsdp_tp2 {means[1]:.5f}, "
+          f"diff {abs(means[0] - means[1]):.2e}")
+    assert abs(means[0] - means[1]) <= 5e-3
