@@ -8,6 +8,7 @@ initial weights) or loads them through ``adapter``.
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
@@ -58,6 +59,18 @@ class ModelSpec:
                 hint=f"known flavours: {known}",
             )
         return self.flavors[flavor]
+
+
+def lazy(target: str) -> Callable[..., Any]:
+    """``"package.module:function"`` as a callable that imports the module when first called: a
+    family's parallel plan pulls in distributed code that building or loading a model does not need."""
+    module, _, name = target.partition(":")
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return getattr(importlib.import_module(module), name)(*args, **kwargs)
+
+    call.__qualname__ = call.__name__ = name
+    return call
 
 
 _REGISTRY: dict[str, ModelSpec] = {}

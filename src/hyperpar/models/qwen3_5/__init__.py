@@ -3,39 +3,23 @@ checkpoint) and ``qwen3_5_vl`` (vision-language, on the shared vision tower)."""
 
 from __future__ import annotations
 
-from typing import Any
-
-from torch import nn
-
 from hyperpar.models.qwen3_5.args import FLAVORS, VL_FLAVORS, Qwen3_5Args, Qwen3_5VLArgs
 from hyperpar.models.qwen3_5.model import Qwen3_5DecoderLayer, Qwen3_5ForCausalLM
 from hyperpar.models.qwen3_5.state_dict import Qwen3_5StateDictAdapter
 from hyperpar.models.qwen3_5.vl import Qwen3_5ForConditionalGeneration, Qwen3_5VLModel
 from hyperpar.models.qwen3_5.vl_state_dict import Qwen3_5VLStateDictAdapter
-from hyperpar.models.spec import ModelSpec, register_model
+from hyperpar.models.spec import ModelSpec, lazy, register_model
 
 
-def _parallelize(model: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
-    # Imported on call: the parallel plan lives in its own module and pulls in distributed code
-    # that building or loading a model does not need.
-    from hyperpar.models.qwen3_5.parallelize import parallelize_qwen3_5
-
-    return parallelize_qwen3_5(model, *args, **kwargs)
-
-
-def _parallelize_vl(model: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
-    from hyperpar.models.qwen3_5.parallelize_vl import parallelize_qwen3_5_vl
-
-    return parallelize_qwen3_5_vl(model, *args, **kwargs)
-
-
+# The parallel plans are imported when called: they pull in distributed code that building or
+# loading a model does not need.
 SPEC = register_model(
     ModelSpec(
         name="qwen3_5",
         args_cls=Qwen3_5Args,
         flavors=FLAVORS,
         model_cls=Qwen3_5ForCausalLM,
-        parallelize=_parallelize,
+        parallelize=lazy("hyperpar.models.qwen3_5.parallelize:parallelize_qwen3_5"),
         adapter=Qwen3_5StateDictAdapter,
         hf_model_types=("qwen3_5_text", "qwen3_5"),
         hf_architectures=("Qwen3_5ForCausalLM",),
@@ -48,7 +32,7 @@ VL_SPEC = register_model(
         args_cls=Qwen3_5VLArgs,
         flavors=VL_FLAVORS,
         model_cls=Qwen3_5ForConditionalGeneration,
-        parallelize=_parallelize_vl,
+        parallelize=lazy("hyperpar.models.qwen3_5.parallelize_vl:parallelize_qwen3_5_vl"),
         adapter=Qwen3_5VLStateDictAdapter,
         hf_model_types=("qwen3_5",),
         hf_architectures=("Qwen3_5ForConditionalGeneration",),

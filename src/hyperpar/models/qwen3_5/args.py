@@ -168,8 +168,8 @@ class Qwen3_5Args:
         return type(self)(**{**asdict(self), **changes})
 
 
-def _real(hidden: int, layers: int, nh: int, nkv: int, inter: int, nv: int, tied: bool) -> Qwen3_5Args:
-    # MODELS.md 2.7: shared by all released dense sizes.
+def released(hidden: int, layers: int, nh: int, nkv: int, inter: int, nv: int, tied: bool) -> Qwen3_5Args:
+    """A released geometry (MODELS.md 2.7): what all released sizes share, MoE ones too, and their own sizes."""
     return Qwen3_5Args(
         vocab_size=248320,
         hidden_size=hidden,
@@ -215,10 +215,10 @@ FLAVORS: dict[str, Qwen3_5Args] = {
         tie_word_embeddings=False,
         max_position_embeddings=4096,
     ),
-    "0.8b": _real(1024, 24, 8, 2, 3584, 16, tied=True),
-    "4b": _real(2560, 32, 16, 4, 9216, 32, tied=True),
-    "9b": _real(4096, 32, 16, 4, 12288, 32, tied=False),
-    "27b": _real(5120, 64, 24, 4, 17408, 48, tied=False),
+    "0.8b": released(1024, 24, 8, 2, 3584, 16, tied=True),
+    "4b": released(2560, 32, 16, 4, 9216, 32, tied=True),
+    "9b": released(4096, 32, 16, 4, 12288, 32, tied=False),
+    "27b": released(5120, 64, 24, 4, 17408, 48, tied=False),
 }
 
 

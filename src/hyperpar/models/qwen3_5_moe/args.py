@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar
 
 from hyperpar.errors import ConfigError
 from hyperpar.models.hf_args import Entry, Fixed, Key, replace_keys
-from hyperpar.models.qwen3_5.args import FULL, LINEAR, TEXT_KEYS, Qwen3_5Args, Qwen3_5VLArgs, interval_layer_types
+from hyperpar.models.qwen3_5.args import FLAVORS as DENSE_FLAVORS
+from hyperpar.models.qwen3_5.args import TEXT_KEYS, Qwen3_5Args, Qwen3_5VLArgs, released
 from hyperpar.models.vision import VisionArgs
 
 # The dense entries (intermediate_size is not one: every layer is MoE) and the experts'. Defaults are
@@ -82,58 +83,19 @@ class Qwen3_5MoeArgs(Qwen3_5Args):
         return text
 
 
+def _moe(dense: Qwen3_5Args, **moe: Any) -> Qwen3_5MoeArgs:
+    """A dense geometry with MoE FFNs in every layer (the dense ``intermediate_size`` goes)."""
+    return Qwen3_5MoeArgs(**{**asdict(dense), "intermediate_size": 0, **moe})
+
+
 FLAVORS: dict[str, Qwen3_5MoeArgs] = {
-    # ~2.3M parameters, CPU-fast: both layer types in each half, E 8 / k 2, Ie ≠ Is ≠ H, dk ≠ dv,
-    # nv = 2·nk, one MTP layer (trained only with model.mtp_loss_weight > 0).
-    "debug": Qwen3_5MoeArgs(
-        vocab_size=2048,
-        hidden_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
-        layer_types=[LINEAR, FULL, LINEAR, FULL],
-        linear_conv_kernel_dim=4,
-        linear_key_head_dim=32,
-        linear_value_head_dim=64,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        rope_theta=1e7,
-        partial_rotary_factor=0.25,
-        mrope_section=[3, 3, 2],
-        tie_word_embeddings=False,
-        max_position_embeddings=4096,
-        num_experts=8,
-        num_experts_per_tok=2,
-        moe_intermediate_size=96,
-        shared_expert_intermediate_size=64,
-        mtp_num_hidden_layers=1,
-    ),
+    # ~2.3M parameters, CPU-fast: the dense debug geometry (both layer types in each half, dk ≠ dv,
+    # nv = 2·nk) with E 8 / k 2, Ie ≠ Is ≠ H, one MTP layer (trained only with model.mtp_loss_weight > 0).
+    "debug": _moe(DENSE_FLAVORS["debug"], num_experts=8, num_experts_per_tok=2, moe_intermediate_size=96,
+                  shared_expert_intermediate_size=64, mtp_num_hidden_layers=1),
     # Qwen3.5-35B-A3B (MODELS.md 2.7; read the checkpoint's config.json for the authoritative values).
-    "35b_a3b": Qwen3_5MoeArgs(
-        vocab_size=248320,
-        hidden_size=2048,
-        num_hidden_layers=40,
-        num_attention_heads=16,
-        num_key_value_heads=2,
-        head_dim=256,
-        layer_types=interval_layer_types(40, 4),
-        linear_conv_kernel_dim=4,
-        linear_key_head_dim=128,
-        linear_value_head_dim=128,
-        linear_num_key_heads=16,
-        linear_num_value_heads=32,
-        rope_theta=1e7,
-        partial_rotary_factor=0.25,
-        mrope_section=[11, 11, 10],
-        tie_word_embeddings=False,
-        max_position_embeddings=262144,
-        num_experts=256,
-        num_experts_per_tok=8,
-        moe_intermediate_size=512,
-        shared_expert_intermediate_size=512,
-        mtp_num_hidden_layers=1,
-    ),
+    "35b_a3b": _moe(released(2048, 40, 16, 2, 0, 32, tied=False), num_experts=256, num_experts_per_tok=8,
+                    moe_intermediate_size=512, shared_expert_intermediate_size=512, mtp_num_hidden_layers=1),
 }
 
 
