@@ -14,7 +14,10 @@ CASES = [
     (["model.flavor=huge"], "unknown flavour 'huge' for model 'qwen3_5' (hint: known flavours: 0.8b, 27b, 4b, 9b, debug)"),
     (["parallel.world_size=3", "parallel.dp_shard=2"], "degrees do not multiply to world_size"),
     (["parallel=fsdp4", "train.global_batch_size=6"], "train.global_batch_size 6 not divisible"),
-    (["parallel=fsdp_tp2"], "not supported yet: tp=2"),
+    (["parallel=tp2", "parallel.tp=3", "parallel.world_size=3"], "attention heads 4 not divisible by tp 3"),
+    (["parallel=tp2", "+model.overrides.num_key_value_heads=1", "parallel.replicate_kv_heads=false"],
+     "key/value heads 1 < tp 2 and parallel.replicate_kv_heads=false"),
+    (["parallel=tp2", "train.seq_len=33"], "train.seq_len (sequence parallel) 33 not divisible by tp 2"),
     (["parallel.world_size=2", "parallel.dp_shard=1", "parallel.cp=2"], "not supported yet: cp=2"),
     (["parallel.world_size=2", "parallel.dp_shard=1", "parallel.pp=2"], "not supported yet: pp=2"),
     (["parallel.world_size=2", "parallel.dp_shard=2", "parallel.ep=2"], "parallel.ep=2 but the model has no experts"),
@@ -51,6 +54,15 @@ def test_dry_run_prints_plan_without_workers(tmp_path):
 
 
 def test_dry_run_rejects_unsupported_with_verdict(tmp_path):
-    res = run_cli(["parallel=fsdp_tp2", "dry_run=true", f"hydra.run.dir={tmp_path}/run"], cwd=tmp_path, timeout=120)
+    res = run_cli(["parallel.world_size=2", "parallel.dp_shard=1", "parallel.pp=2", "dry_run=true",
+                   f"hydra.run.dir={tmp_path}/run"], cwd=tmp_path, timeout=120)
     assert res.returncode != 0
-    assert "REJECTED: not supported yet: tp=2" in res.stdout
+    assert "REJECTED: not supported yet: pp=2" in res.stdout
+
+
+def test_dry_run_shows_tensor_parallel_memory(tmp_path):
+    """Under fsdp_tp2 a rank holds a quarter of what TP splits and half of what it leaves whole."""
+    res = run_cli(["parallel=fsdp_tp2", "dry_run=true", f"hydra.run.dir={tmp_path}/run"], cwd=tmp_path, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert "split over tp = 2" in res.stdout and "tensor par  sequence_parallel=True, loss_parallel=True" in res.stdout
+    assert "verdict     OK" in res.stdout

@@ -45,7 +45,8 @@ def schema_keys(cls: type = JobConfig, prefix: str = "") -> list[str]:
 
 def doc_keys() -> list[str]:
     text = (REPO / "docs" / "guide" / "config.md").read_text()
-    return re.findall(r"^\| `([^`]+)` \|", text, flags=re.M)
+    # key rows only: the config-group table above them names groups (``model/``)
+    return re.findall(r"^\| `([^`/]+)` \|", text, flags=re.M)
 
 
 def _set_env(name: str, value: str | None) -> None:
@@ -299,6 +300,10 @@ EFFECTS: dict[str, Effect] = {
     "parallel.pp": Effect("plan", ["parallel.pp=2"], ["parallel=fsdp2"], may_refuse=True),
     "parallel.vpp": Effect("plan", ["parallel.vpp=2"], ["parallel=fsdp2"], may_refuse=True),
     "parallel.pp_schedule": refused("plan", ["parallel.pp_schedule=bogus"], "pp_schedule='bogus'"),
+    "parallel.sequence_parallel": Effect("plan", ["parallel.sequence_parallel=false"], ["parallel=tp2"]),
+    "parallel.vision_tp": Effect("plan", ["parallel.vision_tp=true"], ["model=qwen3_vl_moe", "parallel=tp2"]),
+    "parallel.replicate_kv_heads": Effect("plan", ["parallel.replicate_kv_heads=false"],
+                                          ["parallel=tp2", "+model.overrides.num_key_value_heads=1"], may_refuse=True),
     # data: the samples of the type that reads the key; another type refuses it
     "data._target_": refused("data", ["data._target_=hyperpar.nope.build"], "hyperpar.nope"),
     "data.type": Effect("data", ["data.type=dummy"], ["model=qwen3_vl_moe"]),  # data=auto: vl_dummy
@@ -346,6 +351,7 @@ EFFECTS: dict[str, Effect] = {
     "train.max_grad_norm": Effect("run", ["train.max_grad_norm=0.01"], view=losses),
     "train.mixed_precision.param_dtype": Effect("run", ["train.mixed_precision.param_dtype=bfloat16"], view=losses),
     "train.mixed_precision.reduce_dtype": Effect("run", ["train.mixed_precision.reduce_dtype=bfloat16"], view=losses),
+    "train.loss_parallel": Effect("plan", ["train.loss_parallel=false"], ["parallel=tp2"]),
     "train.activation_checkpoint": Effect("run", ["train.activation_checkpoint=full"], view=probe("checkpointed_blocks")),
     "train.log_every": Effect("run", ["train.log_every=2"], view=log_steps),
     "train.deterministic": Effect("run", ["train.deterministic=false"], view=probe("deterministic")),

@@ -112,13 +112,14 @@ def test_parity_sweep_tp_layouts_vl_moe(tmp_path: Path) -> None:
 
 
 def test_checkpoint_crosses_tp_layouts_and_export_reloads(tmp_path: Path) -> None:
-    """Saved under fsdp_tp2 at step 4, resumed under single and fsdp2: steps 5-8 equal an
-    uninterrupted single run; the TP run's HF export reloads in transformers with equal logits."""
+    """Saved under fsdp_tp2 at step 4, resumed under single and fsdp2, and single's resumed under
+    fsdp_tp2: steps 5-8 equal an uninterrupted single run; the TP run's HF export at the end reloads
+    in transformers with logits equal to ours."""
     ck = ["checkpoint=default", "checkpoint.save_steps=4"]
     ref = tmp_path / "ref"
     _cli(ref, ["parallel=single", *RUN])
     tp = tmp_path / "tp"
-    _cli(tp, ["parallel=fsdp_tp2", *RUN, *ck, "train.stop_after_steps=4", "checkpoint.export_hf_at_end=true"])
+    _cli(tp, ["parallel=fsdp_tp2", *RUN, *ck, "train.stop_after_steps=4"])
     step4 = tp / "checkpoints" / "step_4"
     assert step4.is_dir()
     want = records(ref)
@@ -132,11 +133,12 @@ def test_checkpoint_crosses_tp_layouts_and_export_reloads(tmp_path: Path) -> Non
     one = tmp_path / "one"
     _cli(one, ["parallel=single", *RUN, *ck, "train.stop_after_steps=4"])
     back = tmp_path / "back"
-    _cli(back, ["parallel=fsdp_tp2", *RUN, *ck, f"checkpoint.load_path={one / 'checkpoints' / 'step_4'}"])
+    _cli(back, ["parallel=fsdp_tp2", *RUN, *ck, f"checkpoint.load_path={one / 'checkpoints' / 'step_4'}",
+                "checkpoint.export_hf_at_end=true"])
     got = records(back)
     for s in range(5, 9):
         assert abs(got[s]["loss"] - want[s]["loss"]) <= 1e-5, s
-    _export_reloads(tp)
+    _export_reloads(back)  # written live by the fsdp_tp2 ranks (full tensors gathered from DTensors)
 
 
 def _export_reloads(run: Path) -> None:

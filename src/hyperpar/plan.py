@@ -29,6 +29,8 @@ class Plan:
     mem_gathered_mb: float
     grad_accum: int
     problems: list[str]
+    tp_split_params: int = 0  # parameters the tensor-parallel plan splits over tp
+    tp_setup: str = ""
 
     @property
     def ok(self) -> bool:
@@ -42,7 +44,10 @@ class Plan:
             f"layout      {p.describe()}",
             f"mesh        {axes}  (ep={p.ep}, vpp={p.vpp}); flattened: dp={p.dp}, dp_shard_cp={p.fsdp_size}",
             f"model       {self.model_desc}: {self.total_params / 1e6:.3f} M parameters",
-            f"per rank    {self.params_per_rank / 1e6:.3f} M parameters (sharded over dp_shard x cp = {p.fsdp_size})",
+            f"per rank    {self.params_per_rank / 1e6:.3f} M parameters (sharded over dp_shard x cp = {p.fsdp_size}"
+            + (f"; {self.tp_split_params / 1e6:.3f} M split over tp = {p.tp}, "
+               f"{(self.total_params - self.tp_split_params) / 1e6:.3f} M whole on every tp rank)" if p.tp > 1 else ")"),
+            *([f"tensor par  {self.tp_setup}"] if p.tp > 1 else []),
             f"memory/rank params {self.mem_params_mb:.1f} MB + grads {self.mem_grads_mb:.1f} MB + optimizer {self.mem_optim_mb:.1f} MB"
             f" + gathered block {self.mem_gathered_mb:.1f} MB = {total_mem:.1f} MB (activations not included)",
             f"batch       grad accumulation {self.grad_accum} micro-batches per step",
@@ -54,14 +59,16 @@ class Plan:
         return "\n".join(lines)
 
 
-def _block_sizes(model: nn.Module):
-    """Parameter counts of every block in an indexable container (text layers, vision blocks, MTP layers):
-    those are the FSDP units, and the largest one is all-gathered at a time."""
+def _block_sizes(model: nn.Module, tp_split: set[str] = frozenset(), tp: int = 1):
+    """Parameter counts per rank of every block in an indexable container (text layers, vision blocks,
+    MTP layers): those are the FSDP units, and the largest one is all-gathered at a time (its
+    tensor-parallel split parameters gathered to the tp rank's part only)."""
+    names = {id(p): n for n, p in model.named_parameters()}
     for module in model.modules():
         if isinstance(module, (nn.ModuleDict, nn.ModuleList)):
             children = module.values() if isinstance(module, nn.ModuleDict) else module
             for block in children:
-                yield sum(p.numel() for p in block.parameters())
+                yield sum(p.numel() / (tp if names.get(id(p)) in tp_split else 1) for p in block.parameters())
 
 
 def check_data(data_cfg: DictConfig, default_type: str) -> None:
@@ -77,6 +84,22 @@ def check_data(data_cfg: DictConfig, default_type: str) -> None:
 # torch.distributed.pipelining schedules the pipeline will drive (ScheduleGPipe, Schedule1F1B,
 # ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble).
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
+
+
+def _tp_split_names(meta: nn.Module, pdims: ParallelDims, spec, train_cfg) -> set[str]:
+    """Parameters the family's tensor-parallel plan splits (read from the plan, no mesh needed)."""
+    if spec.tp_plan is None:
+        return set()
+    from hyperpar.distributed.tensor_parallel import sharded_parameters
+
+    return sharded_parameters(meta, spec.tp_plan(meta, pdims, train_cfg))
+
+
+def _tp_setup(pdims: ParallelDims, train_cfg) -> str:
+    from hyperpar.distributed.tensor_parallel import use_loss_parallel
+
+    return (f"sequence_parallel={pdims.sequence_parallel}, loss_parallel={use_loss_parallel(pdims, train_cfg)}, "
+            f"vision_tp={pdims.vision_tp}, replicate_kv_heads={pdims.replicate_kv_heads}")
 
 
 def check_pp_schedule(name: str) -> str:
@@ -122,15 +145,17 @@ def make_plan(cfg: DictConfig, *, strict: bool = True) -> Plan:
 
     meta = builder.build_meta()
     total = sum(p.numel() for p in meta.parameters())
-    largest = max((block_params for block_params in _block_sizes(meta)), default=0)
-    shard = pdims.fsdp_size * pdims.tp * pdims.pp
-    per_rank = total / shard
+    split_names = _tp_split_names(meta, pdims, builder.spec, t) if pdims.tp > 1 else set()
+    largest = max(_block_sizes(meta, split_names, pdims.tp), default=0)
+    tp_split = sum(p.numel() for n, p in meta.named_parameters() if n in split_names)
+    # TP splits what its plan shards and leaves the rest whole on every tp rank; FSDP shards all of it.
+    per_rank = (tp_split / pdims.tp + (total - tp_split)) / (pdims.fsdp_size * pdims.pp)
     master = 4  # FSDP keeps sharded fp32 master weights, fp32 grads and fp32 AdamW moments
     compute = dtype_of(t.mixed_precision.param_dtype).itemsize
     mb = 2**20
     return Plan(
         pdims=pdims, model_desc=builder.describe(), total_params=total, largest_block_params=largest,
-        params_per_rank=per_rank, mem_params_mb=per_rank * master / mb, mem_grads_mb=per_rank * master / mb,
+        params_per_rank=per_rank, tp_split_params=tp_split, tp_setup=_tp_setup(pdims, t), mem_params_mb=per_rank * master / mb, mem_grads_mb=per_rank * master / mb,
         mem_optim_mb=2 * per_rank * master / mb, mem_gathered_mb=2 * largest * compute / mb,
         grad_accum=pdims.grad_accum_steps(t.global_batch_size, t.micro_batch_size), problems=problems,
     )

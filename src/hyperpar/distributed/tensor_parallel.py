@@ -374,6 +374,28 @@ def apply_tensor_parallel(model: nn.Module, parallel_dims, plan: dict[str, Paral
     return model
 
 
+def sharded_parameters(model: nn.Module, plan: dict[str, ParallelStyle]) -> set[str]:
+    """Names of the parameters ``plan`` splits over tp (the rest stay whole on every tp rank), read
+    from the plan itself without a mesh: the planner's per-rank memory follows the real cut."""
+    out: set[str] = set()
+    for key, style in plan.items():
+        path = key.split("#", 1)[0]
+        module = model.get_submodule(path) if path else model
+        prefix = f"{path}." if path else ""
+        if isinstance(style, ColwiseParallel):  # weight rows and bias split
+            names = ["weight", "bias"]
+        elif isinstance(style, RowwiseParallel):  # weight columns split, bias whole
+            names = ["weight"]
+        elif isinstance(style, ShardParams):
+            names = list(style.dims)
+        elif isinstance(style, ExpertTensorParallel):
+            names = ["gate_proj", "up_proj", "down_proj"]
+        else:
+            continue
+        out.update(prefix + n for n in names if getattr(module, n, None) is not None)
+    return out
+
+
 def use_loss_parallel(parallel_dims, train_cfg) -> bool:
     """``train.loss_parallel``: None means on whenever tp > 1."""
     setting = getattr(train_cfg, "loss_parallel", None)

@@ -50,6 +50,9 @@ class ModelSpec:
     # that load the same model_type)
     hf_architectures: tuple[str, ...] = ()
     default_data: str = "dummy"  # data config a bare `model=<name>` trains on
+    # tp_plan(model, parallel_dims, train_cfg) -> {module path: ParallelStyle}: the tensor-parallel
+    # cut that ``parallelize`` applies, readable without a mesh (the planner's memory per rank)
+    tp_plan: Callable[..., dict] | None = None
 
     def args_for(self, flavor: str) -> Any:
         if flavor not in self.flavors:

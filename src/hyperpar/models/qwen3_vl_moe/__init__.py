@@ -22,6 +22,7 @@ SPEC = register_model(
         flavors=FLAVORS,
         model_cls=Qwen3VLMoeForConditionalGeneration,
         parallelize=lazy("hyperpar.models.qwen3_vl_moe.parallelize:parallelize_qwen3_vl_moe"),
+        tp_plan=lazy("hyperpar.models.qwen3_5.parallelize_vl:vl_tp_plan"),
         adapter=Qwen3VLMoeStateDictAdapter,
         hf_model_types=("qwen3_vl_moe",),
         default_data="vl_dummy",
