@@ -39,15 +39,16 @@ def test_tp2_gradients_equal_one_process(model: str) -> None:
 
 
 @pytest.mark.parametrize(
-    ("model", "layout", "extra"),
+    ("model", "layout", "world", "extra"),
     [
-        ("qwen3_5_moe", "fsdp_tp2", ["model.mtp_loss_weight=0.3"]),  # FSDP over a TP-sharded model, MTP on
-        ("qwen3_vl_moe", "hsdp2_tp2", ["parallel.vision_tp=true"]),  # replicate x tp, vision tower TP'd
-        ("qwen3_5", "fsdp2_tp2_nosp", []),  # replicated residual stream (no SP)
+        ("qwen3_5_moe", "fsdp_tp2", 4, ["model.mtp_loss_weight=0.3"]),  # FSDP over a TP-sharded model, MTP on
+        ("qwen3_vl_moe", "hsdp2_tp2", 4, ["parallel.vision_tp=true"]),  # replicate x tp, vision tower TP'd
+        ("qwen3_5", "fsdp2_tp2_nosp", 4, []),  # replicated residual stream (no SP)
+        ("qwen3_5_moe", "tp2", 2, ["train.activation_checkpoint=selective"]),  # AC recomputes TP collectives
     ],
 )
-def test_tp_combinations_gradients_equal_one_process(model: str, layout: str, extra: list[str]) -> None:
-    _compare(model, layout, 4, extra)
+def test_tp_combinations_gradients_equal_one_process(model: str, layout: str, world: int, extra: list[str]) -> None:
+    _compare(model, layout, world, extra)
 
 
 def test_kv_heads_fewer_than_tp_are_replicated() -> None:
