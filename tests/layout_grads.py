@@ -44,6 +44,7 @@ def one_step(overrides: list[str]) -> dict:
     from hyperpar.config import register_configs
     from hyperpar.data.loader import DistributedBatchLoader
     from hyperpar.data.registry import DataContext
+    from hyperpar.distributed.context_parallel import SequenceShard
     from hyperpar.distributed.materialize import materialize
     from hyperpar.distributed.tensor_parallel import use_loss_parallel
     from hyperpar.models.param_names import canonical_name
@@ -59,7 +60,8 @@ def one_step(overrides: list[str]) -> dict:
     model = builder.spec.parallelize(builder.build_meta(), pd, cfg)
     report: dict = {}
     materialize(model, torch.device("cpu"), seed=cfg.train.seed, source=builder.weight_source(), report=report)
-    objective = Objective(mtp_weight=cfg.model.mtp_loss_weight, loss_parallel=use_loss_parallel(pd, cfg.train))
+    objective = Objective(mtp_weight=cfg.model.mtp_loss_weight, loss_parallel=use_loss_parallel(pd, cfg.train),
+                          cp=SequenceShard.of(pd))
     t = cfg.train
     args = builder.args
     ctx = DataContext(seq_len=t.seq_len, seed=t.seed, num_samples=t.steps * t.global_batch_size,
@@ -71,10 +73,12 @@ def one_step(overrides: list[str]) -> dict:
                                     dp_rank=dp.get_local_rank(), dp_size=dp.size())
     micro_batches = loader.next_step()
 
+    dp_cp = pd.submesh("dp_cp")  # the ranks holding different tokens (data and sequence shards)
+
     def over_dp(x: torch.Tensor) -> torch.Tensor:
         x = x.clone()
-        if dp.size() > 1:
-            dist.all_reduce(x, group=dp.get_group())
+        if dp_cp.size() > 1:
+            dist.all_reduce(x, group=dp_cp.get_group())
         return x
 
     totals = objective.totals([mb["labels"] for mb in micro_batches], len(micro_batches) * dp.size(), over_dp)

@@ -77,6 +77,7 @@ def worker_main(cfg: DictConfig, run_dir: str) -> dict[str, Any]:
     from hyperpar.data.loader import DistributedBatchLoader
     from hyperpar.data.registry import DataContext
     from hyperpar.device import resolve_device, set_deterministic
+    from hyperpar.distributed.context_parallel import SequenceShard
     from hyperpar.distributed.materialize import materialize
     from hyperpar.distributed.tensor_parallel import use_loss_parallel
     from hyperpar.train.objective import Objective
@@ -124,7 +125,8 @@ def worker_main(cfg: DictConfig, run_dir: str) -> dict[str, Any]:
             flops_per_token=seq_flops, peak_flops=dev.peak_flops(torch.float32 if t.mixed_precision.param_dtype == "float32" else torch.bfloat16, cfg.metrics.peak_tflops),
             rank=rank, metrics=None, checkpointer=checkpointer, stop_after_steps=t.stop_after_steps, preemption=preemption,
             mtp_loss_weight=cfg.model.mtp_loss_weight,
-            objective=Objective(mtp_weight=cfg.model.mtp_loss_weight, loss_parallel=use_loss_parallel(pdims, cfg.train)),
+            objective=Objective(mtp_weight=cfg.model.mtp_loss_weight, loss_parallel=use_loss_parallel(pdims, cfg.train),
+                                cp=SequenceShard.of(pdims)),
         )
         checkpointer.resume(trainer)
         # metrics.jsonl is appended to: a resumed run continues its file (readers keep the last record per step).

@@ -17,24 +17,39 @@ way and sliced to the rank's heads, so their gradients sum over the repeats.
 
 PyTorch has no Ulysses all-to-all, so this is ours, on the autograd-aware functional collective
 ``torch.distributed._functional_collectives.all_to_all_single_autograd`` (its backward is the
-reverse all-to-all).
+reverse all-to-all); router statistics are summed with the same module's ``all_reduce`` (whose
+backward all-reduces the gradient).
 
-Status: the kernel wrappers only. Sharding the model inputs (after the VL merge, 3-D positions
-and DeepStack masks), the labels and the loss's token counts is not wired yet, so
-``parallel.cp`` stays refused by ``ParallelDims``.
+Around the kernels (``apply_context_parallel``, hooks only, the model files untouched):
+
+- the text model's input (token ids, or a VL model's merged embeddings) is cut to this rank's
+  shard on entry, *after* everything that needs the whole row ran on it (vision merge, 3-D
+  positions, DeepStack masks); the positions stay whole, so the model builds its rotary tables and
+  its ``Documents`` from the full row, and each decoder layer gets its shard of cos/sin and of the
+  token mask;
+- DeepStack adds the features of the visual tokens inside the shard (mask and feature rows cut);
+- the MTP head runs sequence-sharded too: rank r's stream rows read the embedding of the token one
+  past its shard (the inputs are whole rows), the last rank pads one masked row so every shard is
+  the same length for the all-to-all, and drops it again after;
+- ``SequenceShard`` cuts the labels the same way for the objective, which counts each shard's
+  tokens once and sums the router statistics over cp before forming the load-balancing loss.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed._functional_collectives import all_to_all_single_autograd
+from torch.distributed._functional_collectives import all_reduce, all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
 
 from hyperpar.models.layers.attention import AttentionCore
+from hyperpar.models.layers.documents import Documents
 from hyperpar.models.layers.gated_deltanet import GatedDeltaRule
+from hyperpar.models.layers.moe import RouterStats
 
 
 def _a2a(x: torch.Tensor, group) -> torch.Tensor:
@@ -141,4 +156,152 @@ def apply_ulysses(model: nn.Module, cp_mesh: DeviceMesh) -> nn.Module:
             UlyssesAttention(cp_mesh).apply(module)
         elif isinstance(module, GatedDeltaRule):
             UlyssesDeltaRule(cp_mesh).apply(module)
+    return model
+
+
+# --- sequence shards: inputs, labels, router statistics --------------------------------------------
+
+
+@dataclass(frozen=True)
+class SequenceShard:
+    """This rank's contiguous 1/cp of every row: positions [rank·S/cp, (rank+1)·S/cp)."""
+
+    cp: int
+    rank: int
+    group: Any  # the cp process group
+
+    @classmethod
+    def of(cls, parallel_dims) -> SequenceShard | None:
+        """The shard of this rank under ``parallel_dims`` (None without context parallelism)."""
+        if parallel_dims.cp == 1:
+            return None
+        mesh = parallel_dims.mesh["cp"]
+        return cls(mesh.size(), mesh.get_local_rank(), mesh.get_group())
+
+    @property
+    def last(self) -> bool:
+        return self.rank == self.cp - 1
+
+    def bounds(self, full: int) -> tuple[int, int]:
+        s = full // self.cp
+        return self.rank * s, (self.rank + 1) * s
+
+    def take(self, t: torch.Tensor, full: int | None = None, dim: int = 1) -> torch.Tensor:
+        """This rank's part of ``t`` along ``dim`` for a row of ``full`` positions (default: t's own
+        length). A stream shorter than the row (the MTP targets) is clipped at its end."""
+        a, b = self.bounds(t.shape[dim] if full is None else full)
+        return t.narrow(dim, a, min(b, t.shape[dim]) - a)
+
+    def sum_router_stats(self, stats: RouterStats) -> RouterStats:
+        """Statistics of the whole sequence: every rank's sums added (one all-reduce). Autograd-aware:
+        the backward sums the ranks' gradients, so a loss formed from the result on every rank and
+        scaled by 1/cp has exactly one process's gradient."""
+        E = stats.counts.numel()
+        flat = torch.cat([stats.prob_sum.float(), stats.counts.float(), stats.tokens.float().reshape(1)])
+        total = all_reduce(flat, "sum", self.group)  # autograd: the backward all-reduces the gradient
+        return RouterStats(total[E:2 * E].detach(), total[:E], total[2 * E].detach())
+
+
+def _pad_row(t: torch.Tensor, value: float = 0.0) -> torch.Tensor:
+    """``t`` with one more row at the end of dim 1 (filled with ``value``)."""
+    pad = torch.full_like(t.narrow(1, 0, 1), value)
+    return torch.cat([t, pad], dim=1)
+
+
+class _SequenceSharding:
+    """The forward hooks that keep a text model's residual stream sequence-sharded over cp."""
+
+    def __init__(self, shard: SequenceShard) -> None:
+        self.shard = shard
+
+    def text_input(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """Text model entry: the (B, S) ids or (B, S, H) embeddings cut to the shard; positions made
+        explicit for the whole row (rotary tables and documents are built from them)."""
+        x, rest = args[0], list(args[1:])
+        if "position_ids" in kwargs:
+            pos = kwargs["position_ids"]
+        else:
+            pos = rest[0] if rest else None
+        if pos is None:
+            B, S = x.shape[:2]
+            pos = torch.arange(S, device=x.device).unsqueeze(0).expand(B, S)
+            if "position_ids" in kwargs or not rest:
+                kwargs = {**kwargs, "position_ids": pos}
+            else:
+                rest[0] = pos
+        return (self.shard.take(x), *rest), kwargs
+
+    def layer_input(self, module: nn.Module, args: tuple) -> tuple:
+        """Decoder layer entry: whole-row cos/sin and token mask cut to the stream's shard."""
+        x, rest = args[0], args[1:]
+        full = x.shape[1] * self.shard.cp
+
+        def fit(t: Any) -> Any:
+            if isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[1] == full:
+                return self.shard.take(t)
+            return t
+
+        return (x, *(fit(t) for t in rest))
+
+    def deepstack_input(self, module: nn.Module, args: tuple) -> tuple:
+        """DeepStack: the visual mask and the feature rows (row-major visual order) of the shard."""
+        hidden, mask, feature = args
+        order = mask.reshape(-1).long().cumsum(0).view(mask.shape) - 1  # feature row of each visual token
+        local = self.shard.take(mask)
+        return hidden, local, feature[self.shard.take(order)[local.bool()]]
+
+    def mtp_input(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """MTP head entry, (embeds (B, S, H) whole, hidden (B, S/cp, H) shard, cos/sin and mask of
+        the S − 1 stream rows, doc of that stream): the module shifts by one inside, so it gets the
+        embeddings of [a, b + 1) and the shard's hidden states plus one dropped row; the last rank,
+        whose stream ends one row early, pads a masked row (the last of its row: causal layers never
+        let it reach another) so every shard has S/cp rows."""
+        sh = self.shard
+        embeds, hidden, cos, sin = args[:4]
+        mask = args[4] if len(args) > 4 else kwargs.pop("token_mask", None)
+        S = embeds.shape[1]
+        a, b = sh.bounds(S)
+        embeds = embeds[:, a:b + 1]
+        hidden = torch.cat([hidden, hidden[:, -1:]], dim=1)
+        cos, sin = sh.take(cos, full=S), sh.take(sin, full=S)
+        if mask is not None:
+            mask = sh.take(mask, full=S)
+        if sh.last:
+            embeds = _pad_row(embeds)
+            cos, sin = torch.cat([cos, cos[:, -1:]], 1), torch.cat([sin, sin[:, -1:]], 1)
+            if mask is None:
+                mask = torch.ones(hidden.shape[0], S - 1 - a, dtype=torch.long, device=hidden.device)
+            mask = _pad_row(mask)
+        doc = kwargs.get("doc")
+        if doc is not None:  # the stream's documents, whole (the kernels read them after the all-to-all)
+            kwargs = {**kwargs, "doc": Documents.from_starts(_pad_row(doc.starts, False))}
+        return (embeds, hidden, cos, sin, mask), kwargs
+
+    def mtp_output(self, module: nn.Module, args: tuple, kwargs: dict, out: torch.Tensor) -> torch.Tensor:
+        return out[:, :-1] if self.shard.last else out
+
+
+def apply_context_parallel(model: nn.Module, text_model: nn.Module, parallel_dims,
+                           mtp: nn.Module | None = None) -> nn.Module:
+    """Sequence-shard ``text_model``'s residual stream (and the MTP head's) over the cp mesh and wrap
+    every attention core and GatedDeltaNet recurrence with the Ulysses all-to-alls. After tensor
+    parallelism: the entry hook runs before TP's (it cuts the plain full input, TP then shards the
+    cut over tp), the MTP hooks after TP's gather / before TP's re-wrap."""
+    shard = SequenceShard.of(parallel_dims)
+    if shard is None:
+        return model
+    hooks = _SequenceSharding(shard)
+    text_model.register_forward_pre_hook(hooks.text_input, with_kwargs=True, prepend=True)
+    for layer in text_model.layers.values():
+        layer.register_forward_pre_hook(hooks.layer_input)
+    deepstack = getattr(text_model, "deepstack", None)
+    if deepstack is not None:
+        deepstack.register_forward_pre_hook(hooks.deepstack_input)
+    if mtp is not None:
+        mtp.register_forward_pre_hook(hooks.mtp_input, with_kwargs=True)
+        mtp.register_forward_hook(hooks.mtp_output, with_kwargs=True, prepend=True)
+    cp_mesh = parallel_dims.mesh["cp"]
+    apply_ulysses(text_model, cp_mesh)
+    if mtp is not None:
+        apply_ulysses(mtp, cp_mesh)
     return model

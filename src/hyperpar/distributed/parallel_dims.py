@@ -22,7 +22,7 @@ from hyperpar.errors import PlanError
 AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 # Degrees > 1 on these axes are validated but not built yet; the driver rejects them up front.
-NOT_SUPPORTED_YET = ("cp", "pp")
+NOT_SUPPORTED_YET = ("pp",)
 
 
 @dataclass
@@ -85,7 +85,7 @@ class ParallelDims:
         if bad:
             raise PlanError(
                 f"not supported yet: {', '.join(bad)} (layout '{self.name}')",
-                hint="this build trains DDP/FSDP/HSDP with tensor (+sequence) parallel; context/expert/pipeline parallel come later",
+                hint="this build trains DDP/FSDP/HSDP with tensor (+sequence), context and expert parallel; pipeline parallel comes later",
             )
 
     def check_model(self, geometry: dict[str, int], *, seq_len: int, global_batch_size: int, micro_batch_size: int) -> None:
@@ -119,8 +119,16 @@ class ParallelDims:
         layers = geometry.get("num_hidden_layers", 0)
         if self.pp > 1 and layers < self.pp * self.vpp:
             problems.append(f"{layers} layers cannot fill pp {self.pp} x vpp {self.vpp} stages")
-        need(seq_len, 2 * self.cp if self.cp > 1 else 1, "train.seq_len", "2*cp")
-        if self.sequence_parallel:
+        if self.cp > 1:
+            # Ulysses: each rank runs the kernels on heads / (tp x cp) of the full sequence; K/V heads
+            # and GatedDeltaNet key heads fewer than that are repeated (no constraint).
+            split = self.tp * self.cp
+            need(geometry.get("num_attention_heads", 0), split, "attention heads", "tp x cp")
+            need(geometry.get("linear_num_value_heads", 0), split, "linear-attention value heads", "tp x cp")
+            per_rank = self.cp * (self.tp if self.sequence_parallel else 1)
+            need(seq_len, per_rank, "train.seq_len (context parallel)",
+                 "cp x tp (sequence parallel)" if self.sequence_parallel and self.tp > 1 else "cp")
+        elif self.sequence_parallel:
             need(seq_len, self.tp, "train.seq_len (sequence parallel)", "tp")
         dp = self.dp
         if global_batch_size % (micro_batch_size * dp):

@@ -9,7 +9,14 @@ step's gradient share:
 
 The normalisers (``StepTotals``) are reduced once per step over the ranks that hold different
 data (data and context parallel), so N processes differentiate exactly the loss of one process
-that sees the whole batch; tensor-parallel ranks compute the same objective. The trainer's step
+that sees the whole batch; tensor-parallel ranks compute the same objective.
+
+Under context parallelism (``cp``, a ``SequenceShard``) the labels come in whole rows (pre-shifted)
+and are cut here like the model's inputs: each rank's token CE and token count cover its shard
+only, so every token counts once; the MTP targets (one further along) are cut from the whole row,
+so none is lost at a shard edge. Router statistics are summed over cp before the load-balancing
+loss (it pools over the whole sequence); every cp rank then holds the same aux loss and adds
+1/cp of it, so the objective summed over ranks, its gradient and the logged aux are one process's. The trainer's step
 and a pipeline schedule's ``loss_fn`` call the same object.
 
 Under loss parallelism the logits are a vocab-sharded DTensor and the cross-entropy runs sharded
@@ -20,12 +27,17 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from hyperpar.models.layers.moe import load_balancing_loss
 from hyperpar.models.output import ModelOutput
+
+if TYPE_CHECKING:
+    from hyperpar.distributed.context_parallel import SequenceShard
 
 IGNORE_INDEX = -100
 
@@ -60,9 +72,20 @@ class MicroBatchLoss:
 
 
 class Objective:
-    def __init__(self, *, mtp_weight: float = 0.0, loss_parallel: bool = False) -> None:
+    def __init__(self, *, mtp_weight: float = 0.0, loss_parallel: bool = False,
+                 cp: SequenceShard | None = None) -> None:
         self.mtp_weight = float(mtp_weight)
         self.loss_parallel = loss_parallel
+        self.cp = cp
+
+    def lm_labels(self, labels: torch.Tensor) -> torch.Tensor:
+        """The labels this rank's logits predict (its sequence shard under cp)."""
+        return self.cp.take(labels) if self.cp is not None else labels
+
+    def mtp_labels(self, labels: torch.Tensor) -> torch.Tensor:
+        """The MTP targets (``labels[:, t + 1]`` for stream row t) of this rank's stream rows."""
+        shifted = labels[:, 1:]
+        return self.cp.take(shifted, full=labels.shape[1]) if self.cp is not None else shifted
 
     def context(self) -> contextlib.AbstractContextManager:
         """Forward-to-backward context: sharded cross-entropy under loss parallelism."""
@@ -75,25 +98,28 @@ class Objective:
     def __call__(self, out: ModelOutput | torch.Tensor, labels: torch.Tensor,
                  totals: StepTotals) -> tuple[torch.Tensor, MicroBatchLoss]:
         logits = out.logits if isinstance(out, ModelOutput) else out
-        lm_sum = token_loss_sum(logits, labels)
+        lm_sum = token_loss_sum(logits, self.lm_labels(labels))
         objective = lm_sum / totals.tokens
         parts = MicroBatchLoss(lm_sum.detach())
         if isinstance(out, ModelOutput) and out.router_stats is not None:
-            aux = out.aux_coef * load_balancing_loss(out.router_stats)
+            stats, share = out.router_stats, 1.0
+            if self.cp is not None:
+                stats, share = self.cp.sum_router_stats(stats), 1.0 / self.cp.cp
+            aux = out.aux_coef * share * load_balancing_loss(stats)
             objective = objective + aux.float() / totals.micro_batches
             parts.aux = aux.detach().float()
         if isinstance(out, ModelOutput) and out.mtp_logits is not None and totals.mtp_tokens is not None:
-            mtp_sum = token_loss_sum(out.mtp_logits, labels[:, 1:])
+            mtp_sum = token_loss_sum(out.mtp_logits, self.mtp_labels(labels))
             objective = objective + self.mtp_weight * mtp_sum / totals.mtp_tokens
             parts.mtp_sum = mtp_sum.detach()
         return objective, parts
 
     def totals(self, labels: list[torch.Tensor], global_micro_batches: int, reduce) -> StepTotals:
-        """The step's normalisers from this rank's micro-batch labels; ``reduce(t)`` sums a tensor
-        over the ranks holding different data."""
-        tokens = reduce(sum(count_valid_tokens(lb) for lb in labels).to(torch.float32))
+        """The step's normalisers from this rank's micro-batch labels (whole rows); ``reduce(t)``
+        sums a tensor over the ranks holding different data (``dp_cp``)."""
+        tokens = reduce(sum(count_valid_tokens(self.lm_labels(lb)) for lb in labels).to(torch.float32))
         mtp = None
         if self.mtp_weight > 0:
-            mtp = reduce(sum(count_valid_tokens(lb[:, 1:]) for lb in labels).to(torch.float32)).clamp_min(1.0)
+            mtp = reduce(sum(count_valid_tokens(self.mtp_labels(lb)) for lb in labels).to(torch.float32)).clamp_min(1.0)
         return StepTotals(tokens=tokens, micro_batches=global_micro_batches, mtp_tokens=mtp)
 

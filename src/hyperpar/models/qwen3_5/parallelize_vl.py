@@ -1,14 +1,17 @@
 """How the VL models are cut (Qwen3.5 dense VL; reused by Qwen3.5-MoE VL and Qwen3-VL-MoE, whose trees
 share these names): TP/SP of the text decoder (its embedding returns full embeddings so vision
 features can be merged, then the stack's input is sequence-sharded), the vision tower replicated
-(or TP'd with ``parallel.vision_tp``), DeepStack injection on whole sequences -> (CP/PP later)
--> activation checkpointing -> FSDP per text decoder layer and per vision block (the tower's
-embeddings and merger stay in the root unit with the text embedding and head)."""
+(or TP'd with ``parallel.vision_tp``), DeepStack injection on whole sequences -> CP (the text
+decoder's input cut to this rank's sequence shard after the vision merge, 3-D positions and
+DeepStack masks; DeepStack and MTP on the shard) -> EP -> activation checkpointing -> FSDP per
+text decoder layer and per vision block (the tower's embeddings and merger stay in the root unit
+with the text embedding and head)."""
 
 from __future__ import annotations
 
 from torch import nn
 
+from hyperpar.distributed.context_parallel import apply_context_parallel
 from hyperpar.distributed.data_parallel import apply_ac_and_dp
 from hyperpar.distributed.expert_parallel import apply_expert_parallel
 from hyperpar.distributed.tensor_parallel import (
@@ -48,8 +51,9 @@ def parallelize_vl(model: nn.Module, parallel_dims, job_cfg) -> nn.Module:
     parallel_dims.check_supported()
     if parallel_dims.tp > 1:
         apply_tensor_parallel(model, parallel_dims, vl_tp_plan(model, parallel_dims, job_cfg.train))
-    apply_expert_parallel(model, parallel_dims)
     visual, mtp = model.model.visual, getattr(model, "mtp", None)
+    apply_context_parallel(model, model.model.language_model, parallel_dims, mtp=mtp)
+    apply_expert_parallel(model, parallel_dims)
     extra = ([visual.blocks] if visual is not None else []) + ([mtp.layers] if mtp is not None else [])
     return apply_ac_and_dp(model, model.model.language_model.layers, parallel_dims, job_cfg.train, extra_blocks=extra)
 
