@@ -154,10 +154,15 @@ class Checkpointer:
         metadata = st.read_metadata(path)
         st.check_files(path, metadata)
         tensors, optim_other = st.split_state(trainer.model, trainer.optimizer)
-        saved_model = train_state.get("model")
-        st.check_compatible(path, metadata, tensors, saved_model, _model_tag(self.job_cfg) or "")
-        st.load_tensors(path, tensors)
-        st.apply_model_optim(trainer.model, trainer.optimizer, tensors, optim_other, train_state.get("optim_param_groups", {}))
+        untrained = st.untrained_params(metadata, tensors)
+        stored = st.without_state(tensors, untrained)
+        st.check_compatible(path, metadata, stored, train_state.get("model"), _model_tag(self.job_cfg) or "")
+        st.load_tensors(path, stored)
+        st.apply_model_optim(trainer.model, trainer.optimizer, tensors, optim_other,
+                             train_state.get("optim_param_groups", {}), untrained)
+        if untrained:
+            log.info("%d parameters had no gradient before step %s (%s): no optimizer state saved; AdamW starts "
+                     "theirs at their first gradient", len(untrained), train_state.get("step"), st.short_list(untrained))
         try:
             trainer.scheduler.load_state_dict(train_state["scheduler"])
             trainer.load_counters(train_state["counters"])

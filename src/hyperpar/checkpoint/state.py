@@ -13,6 +13,7 @@ from __future__ import annotations
 import base64
 import random
 from pathlib import Path
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
@@ -84,6 +85,43 @@ def tied_aliases(model: nn.Module) -> dict[str, str]:
     return out
 
 
+def untrained_params(metadata, tensors: dict[str, dict[str, torch.Tensor]]) -> list[str]:
+    """Parameters whose optimizer state the checkpoint lacks entirely while it holds their values.
+
+    AdamW creates a parameter's state at its first gradient, so a parameter that never got one
+    (the MTP head at ``mtp_loss_weight=0``, a vision tower on text-only batches) is saved without
+    state, while the load template (DCP fills it with a zero-gradient step) has state for all.
+    """
+    saved = metadata.state_dict_metadata
+    params = set(tensors["model"])
+    keys: dict[str, list[str]] = {}
+    for key in tensors["optim"]:
+        if key.startswith("state."):
+            keys.setdefault(_owner(key[len("state."):], params), []).append(key)
+    out = sorted(fqn for fqn, ks in keys.items() if f"model.{fqn}" in saved and not any(f"optim.{k}" in saved for k in ks))
+    # Every step trains something, so a checkpoint with no optimizer state at all is not one a run
+    # saved mid-training: let the compatibility check report it as missing.
+    return [] if len(out) == len(keys) else out
+
+
+def _owner(rest: str, params: set[str]) -> str:
+    """The parameter an optimizer-state key "<fqn>.<state name>" belongs to (a name may be nested)."""
+    head = rest
+    while "." in head:
+        head = head.rsplit(".", 1)[0]
+        if head in params:
+            return head
+    return rest
+
+
+def without_state(tensors: dict[str, dict[str, torch.Tensor]], untrained: list[str]) -> dict[str, dict[str, torch.Tensor]]:
+    """``tensors`` less the optimizer state of ``untrained`` (the same tensor objects: DCP loads in place)."""
+    if not untrained:
+        return tensors
+    prefixes = tuple(f"state.{fqn}." for fqn in untrained)
+    return {**tensors, "optim": {k: v for k, v in tensors["optim"].items() if not k.startswith(prefixes)}}
+
+
 def model_template(model: nn.Module, metadata) -> dict[str, torch.Tensor]:
     """An unsharded model's state dict as DCP load targets; a tied alias the checkpoint lacks is left out."""
     aliases = tied_aliases(model)
@@ -122,14 +160,15 @@ def check_files(path: Path, metadata) -> None:
                                   hint="the checkpoint was copied incompletely or the disk filled up; use an earlier checkpoint")
 
 
-def _list(items: list[str], n: int = 3) -> str:
+def short_list(items: list[str], n: int = 3) -> str:
     more = f" (+{len(items) - n} more)" if len(items) > n else ""
     return ", ".join(items[:n]) + more
 
 
 def check_compatible(path: Path, metadata, tensors: dict[str, dict[str, torch.Tensor]], saved_model: str | None,
                      current_model: str) -> None:
-    """Raise one CheckpointError naming the first missing / unexpected / wrongly shaped tensors."""
+    """Raise one CheckpointError naming the first missing / unexpected / wrongly shaped tensors
+    (pass ``without_state(tensors, untrained_params(...))``: no state for an untrained parameter is no mismatch)."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     saved = {k: v for k, v in metadata.state_dict_metadata.items()}
@@ -150,11 +189,11 @@ def check_compatible(path: Path, metadata, tensors: dict[str, dict[str, torch.Te
         return
     parts = []
     if wrong:
-        parts.append(f"wrong shape {len(wrong)}: {_list(wrong)}")
+        parts.append(f"wrong shape {len(wrong)}: {short_list(wrong)}")
     if missing:
-        parts.append(f"missing {len(missing)}: {_list(missing)}")
+        parts.append(f"missing {len(missing)}: {short_list(missing)}")
     if unexpected:
-        parts.append(f"unexpected {len(unexpected)}: {_list(unexpected)}")
+        parts.append(f"unexpected {len(unexpected)}: {short_list(unexpected)}")
     origin = f" (saved for {saved_model}, this run is {current_model})" if saved_model and saved_model != current_model else ""
     raise CheckpointError(f"checkpoint '{path}' does not match the model{origin}: {'; '.join(parts)}",
                           hint="resume with the model config that wrote the checkpoint (its config.yaml is next to it)")
@@ -185,12 +224,21 @@ def load_tensors(path: Path, tensors: dict[str, dict[str, torch.Tensor]], *, no_
 
 
 def apply_model_optim(model: nn.Module, optimizer: torch.optim.Optimizer, tensors: dict[str, Any],
-                      optim_other_template: dict[str, Any], optim_other_saved: dict[str, Any]) -> None:
+                      optim_other_template: dict[str, Any], optim_other_saved: dict[str, Any],
+                      untrained: Iterable[str] = ()) -> None:
+    """Load ``tensors`` into the model and optimizer; ``untrained`` parameters end with no optimizer
+    state, as in the run that saved them, so AdamW starts their state fresh at their first gradient."""
     from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    from hyperpar.models.param_names import canonical_name
 
     other = {k: _like(optim_other_saved[k], v) if k in optim_other_saved else v for k, v in optim_other_template.items()}
     set_state_dict(model, optimizer, model_state_dict=tensors["model"], optim_state_dict={**tensors["optim"], **other},
                    options=_options())
+    if untrained:
+        by_name = {canonical_name(n): p for n, p in model.named_parameters()}
+        for fqn in untrained:
+            optimizer.state.pop(by_name[fqn])  # the state DCP's zero-gradient step made for the template
 
 
 # ---- RNG ----------------------------------------------------------------------------------------
