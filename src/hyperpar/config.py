@@ -39,6 +39,7 @@ class TrainConfig:
     # End the loop after this many optimizer steps without changing the schedule (which still spans
     # ``steps``): a run that stops early and resumes later follows the uninterrupted trajectory.
     stop_after_steps: Optional[int] = None
+    pp_microbatches: Optional[int] = None  # pipeline micro-batches per step; None: the gradient-accumulation count
 
 
 @dataclass
@@ -54,6 +55,7 @@ class ParallelConfig:
     pp: int = 1
     vpp: int = 1
     pp_schedule: str = "1F1B"  # gpipe | 1f1b | interleaved_1f1b | zero_bubble (case-insensitive; used when pp > 1)
+    pp_layers: Optional[list[int]] = None  # decoder layers per (virtual) stage; None: balanced, embedding/head counted
     # tensor parallel: norms/residuals sequence-sharded over tp; vision tower TP'd (else replicated);
     # fewer KV heads than tp: replicate k/v projections (each rank keeps the KV head it reads)
     sequence_parallel: bool = True

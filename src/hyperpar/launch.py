@@ -81,6 +81,7 @@ def worker_main(cfg: DictConfig, run_dir: str) -> dict[str, Any]:
     from hyperpar.distributed.materialize import materialize
     from hyperpar.distributed.tensor_parallel import use_loss_parallel
     from hyperpar.train.objective import Objective
+    from hyperpar.train.pipeline_step import PipelineStep
     from hyperpar.train.metrics import MetricsWriter, setup_rank_logging
 
     rank, world, local_rank, local_world = env_rank()
@@ -103,10 +104,15 @@ def worker_main(cfg: DictConfig, run_dir: str) -> dict[str, Any]:
         log.info("layout %s, model %s, device %s", pdims.describe(), builder.describe(), device)
         dev.seed_all(cfg.train.seed)
         model = builder.build_meta()
-        model = builder.spec.parallelize(model, pdims, cfg)
-        materialize(model, device, seed=cfg.train.seed, source=builder.weight_source())
-        model.train()
-        optimizer, scheduler = instantiate(cfg.optim, _partial_=True)(model=model, total_steps=cfg.train.steps)
+        # The model parts: the whole model, or with pipeline parallelism one per stage this rank runs.
+        pipeline = PipelineStep(builder, pdims, cfg, device) if pdims.pp > 1 else None
+        parts = pipeline.parts if pipeline is not None else [builder.spec.parallelize(model, pdims, cfg)]
+        model = parts[0]
+        for part in parts:
+            materialize(part, device, seed=cfg.train.seed, source=builder.weight_source())
+            part.train()
+        optimizer, scheduler = instantiate(cfg.optim, _partial_=True)(
+            model=pipeline.optim_model if pipeline is not None else model, total_steps=cfg.train.steps)
         t = cfg.train
         ctx = DataContext(seq_len=t.seq_len, seed=t.seed, num_samples=t.steps * t.global_batch_size,
                           vocab_size=builder.args.vocab_size if hasattr(builder.args, "vocab_size") else builder.args.text.vocab_size,
@@ -124,7 +130,7 @@ def worker_main(cfg: DictConfig, run_dir: str) -> dict[str, Any]:
             device_info=dev, device=device, run_dir=run_dir, steps=t.steps, max_grad_norm=t.max_grad_norm,
             flops_per_token=seq_flops, peak_flops=dev.peak_flops(torch.float32 if t.mixed_precision.param_dtype == "float32" else torch.bfloat16, cfg.metrics.peak_tflops),
             rank=rank, metrics=None, checkpointer=checkpointer, stop_after_steps=t.stop_after_steps, preemption=preemption,
-            mtp_loss_weight=cfg.model.mtp_loss_weight,
+            mtp_loss_weight=cfg.model.mtp_loss_weight, pipeline=pipeline,
             objective=Objective(mtp_weight=cfg.model.mtp_loss_weight, loss_parallel=use_loss_parallel(pdims, cfg.train),
                                 cp=SequenceShard.of(pdims)),
         )

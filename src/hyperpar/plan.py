@@ -129,7 +129,9 @@ def make_plan(cfg: DictConfig, *, strict: bool = True) -> Plan:
     check_data(cfg.data, cfg.model.default_data or builder.spec.default_data)
     t = cfg.train
     problems: list[str] = []
-    for check in (pdims.check_supported,
+    from hyperpar.distributed.pipeline import PipelineJob
+
+    for check in (pdims.check_supported, lambda: PipelineJob.check(cfg, pdims, cfg.model.name, builder.args),
                   lambda: pdims.check_model(builder.geometry(), seq_len=t.seq_len, global_batch_size=t.global_batch_size,
                                             micro_batch_size=t.micro_batch_size)):
         try:

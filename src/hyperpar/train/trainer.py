@@ -47,12 +47,18 @@ class Trainer:
         preemption: Any = None,
         mtp_loss_weight: float = 0.0,
         objective: Objective | None = None,
+        pipeline: Any = None,
     ) -> None:
         self.model = model
         # The list of model parts (one without pipeline parallelism): clipping, gradient sync and
         # checkpoint state work on every part.
         self.model_parts: list[nn.Module] = [model]
         self.objective = objective if objective is not None else Objective(mtp_weight=mtp_loss_weight)
+        # A train/pipeline_step.PipelineStep: the step's forward/backward runs through its schedule.
+        self.pipeline = pipeline
+        if pipeline is not None:
+            self.model_parts = pipeline.parts
+            pipeline.finish_setup(self.objective)
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.loader = loader
@@ -97,6 +103,9 @@ class Trainer:
         aux_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         mtp_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         saw_aux = saw_mtp = False
+        if self.pipeline is not None:
+            loss_sum, aux_sum, saw_aux = self.pipeline.forward_backward(micro_batches, totals, self.loader.dp_size)
+            micro_batches = []  # the schedule ran them
         for i, mb in enumerate(micro_batches):
             for part in self.model_parts:
                 if hasattr(part, "set_requires_gradient_sync"):
@@ -113,7 +122,10 @@ class Trainer:
             if parts.mtp_sum is not None:
                 mtp_sum += parts.mtp_sum
                 saw_mtp = True
-        grad_norm = clip_grad_norm([p for part in self.model_parts for p in part.parameters()], self.max_grad_norm)
+        if self.pipeline is not None:
+            grad_norm = self.pipeline.clip_grad_norm(self.max_grad_norm)
+        else:
+            grad_norm = clip_grad_norm([p for part in self.model_parts for p in part.parameters()], self.max_grad_norm)
         global_tokens = totals.tokens
         loss = (self._sum_over_dp(loss_sum) / global_tokens).item()
         extra: dict[str, float] = {}

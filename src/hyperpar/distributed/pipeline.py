@@ -1,0 +1,240 @@
+"""Pipeline parallelism: cut a meta model into stages, run them with torch.distributed.pipelining.
+
+A stage is the whole model with what it does not run deleted (the layer stack is an
+``nn.ModuleDict`` keyed "0".."L-1", so the kept layers keep their names and with them their
+initialisation, checkpoint and export keys). The first stage keeps the embedding, the last the
+final norm, the head and the MTP module; with tied embeddings the last stage keeps the embedding
+too, as the owner of the head's weight, so both copies start equal; their gradients are summed
+over the two stages after the backward (``TiedWeights``).
+
+Stage I/O: the first stage reads token ids, later stages the previous stage's hidden states. A
+MoE stage also passes on its router statistics, packed in one fp32 vector and added stage by
+stage, so the last stage forms the load-balancing loss from every layer's statistics of the
+micro-batch, as one process does; its gradient flows back through the pipeline like the hidden
+states'. Position ids and the attention mask reach every stage as keyword arguments.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hyperpar.errors import PlanError
+from hyperpar.models.layers.moe import RouterStats, record_router_stats
+
+log = logging.getLogger("hyperpar")
+
+# Families whose stage forward (``StageForward``) is written; the others are refused in the plan.
+PP_FAMILIES = ("qwen3_5", "qwen3_5_moe")
+
+
+# ---- split points ------------------------------------------------------------------------------
+
+
+def stage_layer_counts(num_layers: int, num_stages: int, pp_layers: list[int] | None = None) -> list[int]:
+    """Decoder layers per stage: ``pp_layers`` when given, else balanced by layer count with the
+    embedding counted as one layer of the first stage and the head as one of the last."""
+    if pp_layers:
+        counts = [int(n) for n in pp_layers]
+        if len(counts) != num_stages or sum(counts) != num_layers or min(counts) < 1:
+            raise PlanError(f"parallel.pp_layers={counts} must give {num_stages} stages >= 1 layer each, "
+                            f"summing to the model's {num_layers} layers")
+        return counts
+    if num_layers < num_stages:
+        raise PlanError(f"{num_layers} layers cannot fill {num_stages} pipeline stages")
+    units = num_layers + 2
+    sizes = [units // num_stages + (1 if s < units % num_stages else 0) for s in range(num_stages)]
+    counts = [size - (s == 0) - (s == num_stages - 1) for s, size in enumerate(sizes)]
+    # A stage left with no layer (few layers, many stages) takes one from the largest.
+    for s, n in enumerate(counts):
+        if n < 1:
+            counts[max(range(num_stages), key=lambda i: counts[i])] -= 1 - n
+            counts[s] = 1
+    return counts
+
+
+def stage_ranges(num_layers: int, num_stages: int, pp_layers: list[int] | None = None) -> list[range]:
+    ranges, start = [], 0
+    for n in stage_layer_counts(num_layers, num_stages, pp_layers):
+        ranges.append(range(start, start + n))
+        start += n
+    return ranges
+
+
+def local_stage_ids(pp_rank: int, pp: int, vpp: int) -> list[int]:
+    """The (virtual) stages one pp rank runs: looped placement, rank r holds r, r + pp, ..."""
+    return [pp_rank + k * pp for k in range(vpp)]
+
+
+# ---- router statistics on the wire ------------------------------------------------------------------
+
+
+def pack_stats(stats: RouterStats | None, num_experts: int, device: torch.device) -> torch.Tensor:
+    """(2E + 1,) fp32: counts, probability sums, tokens (zeros when no MoE layer ran)."""
+    if stats is None:
+        return torch.zeros(2 * num_experts + 1, dtype=torch.float32, device=device)
+    return torch.cat([stats.counts.float(), stats.prob_sum.float(), stats.tokens.float().reshape(1)])
+
+
+def unpack_stats(packed: torch.Tensor, num_experts: int) -> RouterStats:
+    E = num_experts
+    return RouterStats(packed[:E].detach(), packed[E : 2 * E], packed[2 * E].detach())
+
+
+# ---- the stage module ---------------------------------------------------------------------------------
+
+
+class StageForward:
+    """Mixed into a pruned causal LM's class (``as_stage``): the forward a pipeline stage runs.
+
+    ``x``: token ids (first stage) or hidden states; ``stats``: the packed router statistics of the
+    stages before (MoE). Returns hidden states (and statistics) to send on, or on the last stage the
+    logits (and the micro-batch's statistics of every stage)."""
+
+    pp_num_experts: int = 0  # > 0: a MoE model, statistics travel with the hidden states
+    pp_is_last: bool = False
+
+    def forward(self, x: torch.Tensor, stats: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None):
+        E = self.pp_num_experts
+        if self.pp_is_last:
+            out = super().forward(x, position_ids, attention_mask)
+            if not E:
+                return out
+            own = pack_stats(out.router_stats, E, out.logits.device)
+            return out.logits, own if stats is None else stats + own
+        with record_router_stats() as sink:
+            h = self.model(x, position_ids, attention_mask)  # the text stack: what forward runs without a head
+        if not E:
+            return h
+        own = pack_stats(RouterStats.pool(sink) if sink else None, E, h.device)
+        return h, own if stats is None else stats + own
+
+
+def as_stage(model: nn.Module, layers: range, *, is_first: bool, is_last: bool) -> nn.Module:
+    """Delete from ``model`` (meta) what this stage does not run and give it the stage forward.
+
+    The class is swapped for a subclass (as FSDP does), so the module keeps its names, its family
+    (``spec_of_model``) and its init/export hooks."""
+    text = model.model
+    for key in list(text.layers.keys()):
+        if int(key) not in layers:
+            del text.layers[key]
+    tied = bool(getattr(model.args, "tie_word_embeddings", False))
+    if not is_first and not (is_last and tied):
+        text.embed_tokens = None
+    if not is_last:
+        text.norm = None
+        model.lm_head = None
+        if getattr(model, "mtp", None) is not None:
+            model.mtp = None
+    cls = type(model)
+    model.__class__ = type(f"Stage{cls.__name__}", (StageForward, cls), {})
+    model.pp_num_experts = int(getattr(model.args, "num_experts", 0) or 0)
+    model.pp_is_last = is_last
+    model.pp_layers = layers
+    return model
+
+
+# ---- tied embedding and head ------------------------------------------------------------------------
+
+
+class TiedWeights:
+    """The embedding on the first stage and the head on the last share one weight in the model:
+    each end holds a copy (same init, same updates) and the gradients are summed over the two."""
+
+    def __init__(self, pdims, parts: list[nn.Module], stage_ids: list[int], num_stages: int) -> None:
+        self.params: list[nn.Parameter] = []  # this rank's copy
+        self.duplicate: set[int] = set()  # ids of the copies gradient clipping must not count again
+        self.group = None
+        if not getattr(parts[0].args, "tie_word_embeddings", False):
+            return
+        ranks = pdims.mesh.mesh.reshape(pdims.pp, -1)  # pp is the outermost mesh axis
+        pairs = [[int(ranks[0, c]), int(ranks[-1, c])] for c in range(ranks.shape[1])]
+        # new_group is collective: every rank builds every pair's group and keeps its own.
+        self.group, _ = dist.new_subgroups_by_enumeration(pairs)
+        for part, sid in zip(parts, stage_ids):
+            if part.model.embed_tokens is not None:
+                self.params.append(part.model.embed_tokens.weight)
+                if sid != 0:
+                    self.duplicate.add(id(part.model.embed_tokens.weight))
+
+    @torch.no_grad()
+    def sum_grads(self) -> None:
+        from torch.distributed.tensor import DTensor
+
+        for p in self.params:  # the two ends are on different pp ranks
+            if p.grad is not None:
+                dist.all_reduce(p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad, group=self.group)
+
+
+# ---- schedules --------------------------------------------------------------------------------------
+
+
+def build_schedule(name: str, stages: list, n_microbatches: int, loss_fn, kwargs_chunk_spec: dict | None = None):
+    """A torch.distributed.pipelining schedule; our objective already divides by the global token
+    count, so the schedule must not scale gradients by the micro-batch count."""
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+    single = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+    try:
+        if name in single:
+            if len(stages) != 1:
+                raise PlanError(f"parallel.pp_schedule={name} runs one stage per rank, not vpp {len(stages)}",
+                                hint="use pp_schedule=interleaved_1f1b with parallel.vpp > 1")
+            return single[name](stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False,
+                                kwargs_chunk_spec=kwargs_chunk_spec)
+        if name == "interleaved_1f1b":
+            return ScheduleInterleaved1F1B(stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False,
+                                           kwargs_chunk_spec=kwargs_chunk_spec)
+    except ValueError as e:  # torch's own checks of the micro-batch count
+        raise PlanError(f"pipeline schedule {name}: {e}", hint="change train.pp_microbatches") from None
+    raise PlanError(f"parallel.pp_schedule={name} not supported yet", hint="use gpipe, 1f1b or interleaved_1f1b")
+
+
+# ---- what the plan refuses --------------------------------------------------------------------------
+
+
+@dataclass
+class PipelineJob:
+    """The pipeline settings of a job, checked before any worker starts."""
+
+    schedule: str
+    microbatches: int
+
+    @classmethod
+    def check(cls, cfg, pdims, model_name: str, args) -> "PipelineJob | None":
+        from hyperpar.plan import check_pp_schedule
+
+        if pdims.pp == 1:
+            return None
+        schedule = check_pp_schedule(cfg.parallel.pp_schedule)
+        if model_name not in PP_FAMILIES:
+            raise PlanError(f"pp for {model_name} not supported yet", hint=f"pipeline parallel trains {', '.join(PP_FAMILIES)}")
+        for axis in ("tp", "cp", "ep"):
+            if getattr(pdims, axis) > 1:
+                raise PlanError(f"pp with {axis} not supported yet", hint=f"set parallel.{axis}=1 or parallel.pp=1")
+        if float(cfg.model.mtp_loss_weight) > 0:
+            raise PlanError("pp with MTP (model.mtp_loss_weight > 0) not supported yet", hint="set model.mtp_loss_weight=0")
+        ck = cfg.checkpoint
+        if ck.enabled or ck.load_path or ck.export_hf_at_end:
+            raise PlanError("checkpoints and HF export under pp not supported yet", hint="set checkpoint=none (or parallel.pp=1)")
+        if (schedule == "interleaved_1f1b") != (pdims.vpp > 1):
+            raise PlanError(f"parallel.pp_schedule={schedule} with vpp {pdims.vpp}: interleaved_1f1b needs vpp > 1, "
+                            "gpipe and 1f1b need vpp 1")
+        if schedule == "zero_bubble":
+            raise PlanError("pp_schedule=zero_bubble not supported yet", hint="use gpipe, 1f1b or interleaved_1f1b")
+        t = cfg.train
+        local_rows = t.global_batch_size // pdims.dp
+        n = int(t.pp_microbatches) if t.pp_microbatches else local_rows // t.micro_batch_size
+        if n < 1 or local_rows % n:
+            raise PlanError(f"train.pp_microbatches={n} must divide the {local_rows} rows per data-parallel rank")
+        if schedule != "gpipe" and n < pdims.pp:
+            raise PlanError(f"pp_schedule={schedule} needs at least pp={pdims.pp} micro-batches, got {n}",
+                            hint="raise train.pp_microbatches or the global batch, or use pp_schedule=gpipe")
+        stage_layer_counts(args.num_hidden_layers, pdims.pp * pdims.vpp, list(pdims.pp_layers or []) or None)
+        return cls(schedule=schedule, microbatches=n)

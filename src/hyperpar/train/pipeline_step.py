@@ -1,0 +1,129 @@
+"""The pipeline-parallel part of a training step: the model parts of this rank's stages, the
+schedule, and the forward/backward of one optimizer step through it.
+
+The schedule's ``loss_fn`` is the step's ``Objective`` (token CE over the step's global token count,
+aux over its global micro-batch count), so the gradients equal the non-pipelined step's for any
+micro-batch count. The logged sums are the last stage's, sent to every rank of the pipeline.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hyperpar.distributed.pipeline import (
+    PipelineJob,
+    TiedWeights,
+    as_stage,
+    build_schedule,
+    local_stage_ids,
+    stage_ranges,
+    unpack_stats,
+)
+from hyperpar.models.output import ModelOutput
+from hyperpar.train.objective import MicroBatchLoss, Objective, StepTotals
+from hyperpar.train.optim import clip_grad_norm
+
+log = logging.getLogger("hyperpar")
+
+
+def _batch_dim(key: str, t: torch.Tensor) -> int:
+    return 1 if key == "position_ids" and t.ndim == 3 else 0  # (3|4, B, S) mRoPE rows
+
+
+class PipelineStep:
+    def __init__(self, builder, pdims, cfg, device: torch.device) -> None:
+        job = PipelineJob.check(cfg, pdims, cfg.model.name, builder.args)
+        self.schedule_name, self.n_microbatches = job.schedule, job.microbatches
+        self.pdims, self.device = pdims, device
+        self.num_stages = pdims.pp * pdims.vpp
+        pp_rank = pdims.submesh("pp").get_local_rank()
+        self.stage_ids = local_stage_ids(pp_rank, pdims.pp, pdims.vpp)
+        ranges = stage_ranges(builder.args.num_hidden_layers, self.num_stages, list(pdims.pp_layers or []) or None)
+        self.parts: list[nn.Module] = []
+        for sid in self.stage_ids:
+            part = as_stage(builder.build_meta(), ranges[sid], is_first=sid == 0, is_last=sid == self.num_stages - 1)
+            self.parts.append(builder.spec.parallelize(part, pdims, cfg))  # TP -> AC -> FSDP, per stage
+        log.info("pipeline: %d stages (%s), this rank runs %s with layers %s; %d micro-batches per step",
+                 self.num_stages, self.schedule_name, self.stage_ids, [list(ranges[s]) for s in self.stage_ids],
+                 self.n_microbatches)
+        self.has_last = self.num_stages - 1 in self.stage_ids
+        self.tied: TiedWeights | None = None
+        self.schedule = None
+        self.objective: Objective | None = None
+        self.totals: StepTotals | None = None
+        self.parts_log: list[MicroBatchLoss] = []
+
+    def finish_setup(self, objective: Objective) -> None:
+        """After the parts are materialised: the tied-weight groups (collective) and the objective."""
+        self.objective = objective
+        self.tied = TiedWeights(self.pdims, self.parts, self.stage_ids, self.num_stages)
+
+    # ---- the schedule ----------------------------------------------------------------------
+    def _loss_fn(self, output, labels: torch.Tensor) -> torch.Tensor:
+        part = self.parts[-1]
+        if isinstance(output, tuple):  # MoE: logits and the micro-batch's statistics of every stage
+            logits, packed = output
+            out = ModelOutput(logits, unpack_stats(packed, part.pp_num_experts), float(part.args.router_aux_loss_coef))
+        else:
+            out = output
+        objective, parts = self.objective(out, labels, self.totals)
+        self.parts_log.append(parts)
+        return objective
+
+    def _build(self, kwargs: dict[str, torch.Tensor]) -> None:
+        from torch.distributed.pipelining import PipelineStage
+        from torch.distributed.pipelining.microbatch import TensorChunkSpec
+
+        group = self.pdims.submesh("pp").get_group()
+        stages = [PipelineStage(part, sid, self.num_stages, self.device, group=group)
+                  for part, sid in zip(self.parts, self.stage_ids)]
+        self.stages = stages
+        chunks = {k: TensorChunkSpec(_batch_dim(k, v)) for k, v in kwargs.items()}
+        self.schedule = build_schedule(self.schedule_name, stages, self.n_microbatches, self._loss_fn, chunks)
+
+    # ---- one optimizer step ------------------------------------------------------------------
+    def forward_backward(self, micro_batches: list[dict[str, torch.Tensor]], totals: StepTotals, dp_size: int):
+        """Run the step's micro-batches through the schedule; returns (lm loss sum, aux sum, saw aux)
+        of this rank's data, equal on every stage."""
+        rows = {k: torch.cat([mb[k] for mb in micro_batches], dim=_batch_dim(k, micro_batches[0][k])).to(self.device)
+                for k in micro_batches[0]}
+        labels = rows.pop("labels")
+        input_ids = rows.pop("input_ids")
+        if self.schedule is None:
+            self._build(rows)
+        self.totals = dataclasses.replace(totals, micro_batches=self.n_microbatches * dp_size)
+        self.parts_log = []
+        first = 0 in self.stage_ids
+        with self.objective.context():
+            if first:
+                self.schedule.step(input_ids, target=labels if self.has_last else None, return_outputs=False, **rows)
+            else:
+                self.schedule.step(target=labels if self.has_last else None, return_outputs=False, **rows)
+        self.tied.sum_grads()
+        # The schedule's shape inference may have run the loss once before the micro-batches.
+        logged = self.parts_log[-self.n_microbatches:] if self.has_last else []
+        sums = torch.zeros(3, dtype=torch.float32, device=self.device)
+        for p in logged:
+            sums[0] += p.lm_sum
+            if p.aux is not None:
+                sums[1] += p.aux
+                sums[2] = 1.0
+        if self.pdims.pp > 1:  # from the last stage's ranks to every stage
+            dist.all_reduce(sums, group=self.pdims.submesh("pp").get_group())
+        # The trainer divides the aux sum by its micro-batch count (the loader's), ours may differ.
+        return sums[0], sums[1] * len(micro_batches) / self.n_microbatches, bool(sums[2].item() > 0)
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        skip = self.tied.duplicate
+        params = [p for part in self.parts for p in part.parameters() if id(p) not in skip]
+        return clip_grad_norm(params, max_norm, pp=self.pdims.pp)
+
+    @property
+    def optim_model(self) -> nn.Module:
+        """What the optimizer builder iterates: the one part, or all of this rank's parts."""
+        return self.parts[0] if len(self.parts) == 1 else nn.ModuleList(self.parts)
