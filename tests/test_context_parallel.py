@@ -1,16 +1,23 @@
-"""Context parallel (Ulysses) kernel wrappers: the attention core and the GatedDeltaNet recurrence
-(conv + chunked delta rule) under cp 2, each rank holding a sequence shard, equal the full-sequence
-kernels on one process, forward and backward, with grouped K/V (and key) heads fewer than cp
-repeated, and with packed documents."""
+"""Context parallel (Ulysses): the kernel wrappers (attention core, GatedDeltaNet conv + chunked
+delta rule) under cp 2 equal the full-sequence kernels, forward and backward, with K/V (key) heads
+fewer than cp repeated and with packed documents; the plan refuses what cannot be split; every
+family's one-step gradient under cp layouts equals one process's, parameter by parameter; and
+training through the real CLI under cp equals single per step (loss, aux loss, MTP loss) at
+seq_len 256 (8 GDN chunks of the whole row, 4 per shard)."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 from pathlib import Path
 
+import pytest
 import torch
+
+from helpers import cli_small
+from layout_grads import layout_grads, max_rel_grad_diff
 
 CP = 2
 B, S = 2, 48  # GDN chunk 16: three chunks over the full row, documents crossing the shard edge
@@ -121,3 +128,132 @@ def test_ulysses_kernels_under_cp2_equal_full_sequence(tmp_path):
         for case, rep in reports.items():
             assert rep.pop("shape_ok") == 1.0, case
             assert all(v <= 1e-5 for v in rep.values()), (case, rep)
+
+
+# ---- plan: what cannot be split is refused before any process starts -----------------------------
+
+GEOMETRY = {"num_attention_heads": 4, "num_key_value_heads": 2, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+            "vocab_size": 2048, "intermediate_size": 384}
+
+
+@pytest.mark.parametrize(
+    ("degrees", "seq_len", "message"),
+    [
+        ({"cp": 8}, 256, "attention heads 4 not divisible by tp x cp 8"),
+        ({"cp": 2, "tp": 4}, 256, "linear-attention value heads 4 not divisible by tp x cp 8"),
+        ({"cp": 2}, 255, "train.seq_len (context parallel) 255 not divisible by cp 2"),
+        ({"cp": 2, "tp": 2}, 250, "train.seq_len (context parallel) 250 not divisible by cp x tp (sequence parallel) 4"),
+    ],
+)
+def test_cp_plan_errors(degrees, seq_len, message):
+    from hyperpar.distributed.parallel_dims import ParallelDims
+    from hyperpar.errors import PlanError
+
+    world = degrees.get("cp", 1) * degrees.get("tp", 1)
+    pd = ParallelDims(world_size=world, dp_shard=1, **degrees)
+    pd.check_supported()  # cp itself is supported
+    with pytest.raises(PlanError, match=re.escape(message)):
+        pd.check_model(GEOMETRY, seq_len=seq_len, global_batch_size=4, micro_batch_size=1)
+
+
+def test_cp_plan_accepts_kv_heads_fewer_than_cp():
+    """2 KV heads (and 2 GDN key heads) under cp 4: repeated, not refused; no tp means no SP factor."""
+    from hyperpar.distributed.parallel_dims import ParallelDims
+
+    ParallelDims(world_size=4, dp_shard=1, cp=4).check_model(GEOMETRY, seq_len=36, global_batch_size=4, micro_batch_size=1)
+
+
+# ---- gradients: one step of every family under cp layouts equals one process --------------------------
+
+STEP = ["train.seq_len=256", "train.global_batch_size=4", "train.micro_batch_size=1"]
+# aux coefficient 1: an aux gradient counted cp times would move the parameters by ~1e-2 (at the
+# checkpoint's 1e-3 it stays near 1e-5 and could hide)
+MOE = ["model.mtp_loss_weight=0.3", "+model.overrides.router_aux_loss_coef=1.0"]
+FAMILY = {
+    "qwen3_5": [],
+    "qwen3_5_moe": MOE,
+    "qwen3_5_vl": ["data=vl_dummy"],
+    "qwen3_5_moe_vl": ["data=vl_dummy", *MOE],
+    # images and videos: DeepStack rows of each shard, 3-D positions from the whole row
+    "qwen3_vl_moe": ["data=vl_dummy", "data.extra.video_fraction=0.5", "+model.overrides.router_aux_loss_coef=1.0"],
+}
+
+
+def compare_grads(model: str, layout: str, world: int) -> None:
+    base = [f"model={model}", *STEP, *FAMILY[model]]
+    ref = layout_grads(["parallel=single", *base], 1)
+    got = layout_grads([f"parallel={layout}", *base], world)
+    diff, where = max_rel_grad_diff(ref, got)
+    print(f"{model} {layout}: loss {ref['loss']:.7f} vs {got['loss']:.7f}, grad norm {ref['grad_norm']:.6f} vs "
+          f"{got['grad_norm']:.6f}, max rel grad diff {diff:.2e} ({where})")
+    assert abs(ref["loss"] - got["loss"]) <= 1e-5
+    assert abs(ref["grad_norm"] - got["grad_norm"]) <= 1e-5 * max(1.0, ref["grad_norm"])
+    assert diff <= 1e-5, where
+
+
+@pytest.mark.parametrize("model", ["qwen3_5", "qwen3_5_moe", "qwen3_vl_moe"])
+def test_cp2_gradients_equal_one_process(model):
+    compare_grads(model, "cp2", 2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["qwen3_5_vl", "qwen3_5_moe_vl"])
+def test_cp2_gradients_equal_one_process_vl(model):
+    compare_grads(model, "cp2", 2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("model", "layout"), [("qwen3_5_moe", "fsdp2_cp2"), ("qwen3_vl_moe", "hsdp2_cp2"),
+                                               ("qwen3_5_moe", "tp2_cp2"), ("qwen3_vl_moe", "tp2_cp2")])
+def test_four_rank_cp_layouts_gradients_equal_one_process(model, layout):
+    """dp_shard 2 x cp 2 (FSDP over 4 ranks), dp_replicate 2 x cp 2 (HSDP + CP) and tp 2 x cp 2 (SP
+    inside each cp shard, one head per rank, KV / key heads repeated)."""
+    compare_grads(model, layout, 4)
+
+
+# ---- the real CLI: cp trains like one process -------------------------------------------------------------
+
+STEPS = 6
+CLI = {
+    "qwen3_5": ["model=qwen3_5", "train.seq_len=256"],
+    "qwen3_5_moe": ["model=qwen3_5_moe", "model.mtp_loss_weight=0.3", "train.seq_len=256"],
+    "qwen3_vl_moe": ["model=qwen3_vl_moe", "data=vl_dummy", "train.seq_len=256"],
+}
+
+
+def metrics(run_dir: Path) -> dict[int, dict]:
+    out = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        out[rec["step"]] = rec
+    return out
+
+
+def run(run_dir: Path, overrides: list[str]) -> dict[int, dict]:
+    res = cli_small(run_dir, overrides, steps=STEPS)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return metrics(run_dir)
+
+
+def check_parity(single: dict[int, dict], got: dict[int, dict], what: str) -> None:
+    assert sorted(single) == sorted(got) == list(range(1, STEPS + 1))
+    keys = [k for k in ("loss", "aux_loss", "mtp_loss") if k in single[1]]
+    diffs = {k: max(abs(single[s][k] - got[s][k]) for s in single) for k in keys}
+    print(f"{what} vs single, max per-step diff:", diffs)
+    assert all(d <= 1e-5 for d in diffs.values()), diffs
+    assert all(single[s]["tokens"] == got[s]["tokens"] for s in single)  # every token counted once
+    assert single[1]["loss"] != single[STEPS]["loss"]  # the weights moved
+
+
+@pytest.mark.parametrize("model", sorted(CLI))
+def test_cp2_matches_single(tmp_path, model):
+    extra = CLI[model]
+    check_parity(run(tmp_path / "single", [*extra, "parallel=single"]), run(tmp_path / "cp2", [*extra, "parallel=cp2"]),
+                 f"{model} cp2")
+
+
+@pytest.mark.slow
+def test_fsdp2_cp2_matches_single(tmp_path):
+    extra = CLI["qwen3_5_moe"]
+    check_parity(run(tmp_path / "single", [*extra, "parallel=single"]),
+                 run(tmp_path / "fsdp2_cp2", [*extra, "parallel=fsdp2_cp2"]), "qwen3_5_moe fsdp2_cp2")
