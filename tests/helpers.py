@@ -69,6 +69,22 @@ def cli_small(run_dir: Path, overrides: list[str], *, env: dict | None = None, t
                           capture_output=True, text=True, timeout=timeout)
 
 
+def metrics_by_step(run_dir: Path) -> dict[int, dict]:
+    """Every field of metrics.jsonl by step (the last record wins)."""
+    out = {}
+    for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        out[rec["step"]] = rec
+    return out
+
+
+def cli_metrics(run_dir: Path, overrides: list[str], *, steps: int = STEPS) -> dict[int, dict]:
+    """``cli_small`` that must succeed, then ``metrics_by_step``."""
+    res = cli_small(run_dir, overrides, steps=steps)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return metrics_by_step(run_dir)
+
+
 def records(run_dir: Path) -> dict[int, dict]:
     """metrics.jsonl deduplicated by step (the last record wins), deterministic fields only."""
     out = {}

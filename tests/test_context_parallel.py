@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import cli_small
-from layout_grads import layout_grads, max_rel_grad_diff
+from helpers import cli_metrics
+from layout_grads import assert_layout_matches_single
 
 CP = 2
 B, S = 2, 48  # GDN chunk 16: three chunks over the full row, documents crossing the shard edge
@@ -180,15 +180,7 @@ FAMILY = {
 
 
 def compare_grads(model: str, layout: str, world: int) -> None:
-    base = [f"model={model}", *STEP, *FAMILY[model]]
-    ref = layout_grads(["parallel=single", *base], 1)
-    got = layout_grads([f"parallel={layout}", *base], world)
-    diff, where = max_rel_grad_diff(ref, got)
-    print(f"{model} {layout}: loss {ref['loss']:.7f} vs {got['loss']:.7f}, grad norm {ref['grad_norm']:.6f} vs "
-          f"{got['grad_norm']:.6f}, max rel grad diff {diff:.2e} ({where})")
-    assert abs(ref["loss"] - got["loss"]) <= 1e-5
-    assert abs(ref["grad_norm"] - got["grad_norm"]) <= 1e-5 * max(1.0, ref["grad_norm"])
-    assert diff <= 1e-5, where
+    assert_layout_matches_single([f"model={model}", *STEP, *FAMILY[model]], layout, world)
 
 
 @pytest.mark.parametrize("model", ["qwen3_5", "qwen3_5_moe", "qwen3_vl_moe"])
@@ -221,18 +213,8 @@ CLI = {
 }
 
 
-def metrics(run_dir: Path) -> dict[int, dict]:
-    out = {}
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        rec = json.loads(line)
-        out[rec["step"]] = rec
-    return out
-
-
 def run(run_dir: Path, overrides: list[str]) -> dict[int, dict]:
-    res = cli_small(run_dir, overrides, steps=STEPS)
-    assert res.returncode == 0, res.stderr[-3000:]
-    return metrics(run_dir)
+    return cli_metrics(run_dir, overrides, steps=STEPS)
 
 
 def check_parity(single: dict[int, dict], got: dict[int, dict], what: str) -> None:
