@@ -300,6 +300,7 @@ EFFECTS: dict[str, Effect] = {
     "parallel.pp": Effect("plan", ["parallel.pp=2"], ["parallel=fsdp2"], may_refuse=True),
     "parallel.vpp": Effect("plan", ["parallel.vpp=2"], ["parallel=fsdp2"], may_refuse=True),
     "parallel.pp_schedule": refused("plan", ["parallel.pp_schedule=bogus"], "pp_schedule='bogus'"),
+    "parallel.pp_layers": Effect("plan", ["parallel.pp_layers=[3,1]"], ["parallel=pp2"]),
     "parallel.sequence_parallel": Effect("plan", ["parallel.sequence_parallel=false"], ["parallel=tp2"]),
     "parallel.vision_tp": Effect("plan", ["parallel.vision_tp=true"], ["model=qwen3_vl_moe", "parallel=tp2"]),
     "parallel.replicate_kv_heads": Effect("plan", ["parallel.replicate_kv_heads=false"],
@@ -356,6 +357,7 @@ EFFECTS: dict[str, Effect] = {
     "train.log_every": Effect("run", ["train.log_every=2"], view=log_steps),
     "train.deterministic": Effect("run", ["train.deterministic=false"], view=probe("deterministic")),
     "train.stop_after_steps": Effect("run", ["train.stop_after_steps=1"], view=field("step")),
+    "train.pp_microbatches": Effect("plan", ["train.pp_microbatches=2"], ["parallel=pp2"]),
     # metrics
     "metrics.tensorboard": Effect("run", ["metrics.tensorboard=true"], view=has_dir("tb")),
     "metrics.progress_bar": Effect("run", ["metrics.progress_bar=true"], view=log_steps, env=(("HYPERPAR_NO_BAR", None),)),

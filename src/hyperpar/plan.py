@@ -31,6 +31,7 @@ class Plan:
     problems: list[str]
     tp_split_params: int = 0  # parameters the tensor-parallel plan splits over tp
     tp_setup: str = ""
+    pp_setup: str = ""  # stages, layers per stage, schedule, micro-batches (pp > 1)
 
     @property
     def ok(self) -> bool:
@@ -48,6 +49,7 @@ class Plan:
             + (f"; {self.tp_split_params / 1e6:.3f} M split over tp = {p.tp}, "
                f"{(self.total_params - self.tp_split_params) / 1e6:.3f} M whole on every tp rank)" if p.tp > 1 else ")"),
             *([f"tensor par  {self.tp_setup}"] if p.tp > 1 else []),
+            *([f"pipeline    {self.pp_setup}"] if self.pp_setup else []),
             f"memory/rank params {self.mem_params_mb:.1f} MB + grads {self.mem_grads_mb:.1f} MB + optimizer {self.mem_optim_mb:.1f} MB"
             f" + gathered block {self.mem_gathered_mb:.1f} MB = {total_mem:.1f} MB (activations not included)",
             f"batch       grad accumulation {self.grad_accum} micro-batches per step",
@@ -131,7 +133,8 @@ def make_plan(cfg: DictConfig, *, strict: bool = True) -> Plan:
     problems: list[str] = []
     from hyperpar.distributed.pipeline import PipelineJob
 
-    for check in (pdims.check_supported, lambda: PipelineJob.check(cfg, pdims, cfg.model.name, builder.args),
+    pp_job: list[PipelineJob | None] = []
+    for check in (pdims.check_supported, lambda: pp_job.append(PipelineJob.check(cfg, pdims, cfg.model.name, builder.args)),
                   lambda: pdims.check_model(builder.geometry(), seq_len=t.seq_len, global_batch_size=t.global_batch_size,
                                             micro_batch_size=t.micro_batch_size)):
         try:
@@ -160,4 +163,5 @@ def make_plan(cfg: DictConfig, *, strict: bool = True) -> Plan:
         params_per_rank=per_rank, tp_split_params=tp_split, tp_setup=_tp_setup(pdims, t), mem_params_mb=per_rank * master / mb, mem_grads_mb=per_rank * master / mb,
         mem_optim_mb=2 * per_rank * master / mb, mem_gathered_mb=2 * largest * compute / mb,
         grad_accum=pdims.grad_accum_steps(t.global_batch_size, t.micro_batch_size), problems=problems,
+        pp_setup=pp_job[0].describe() if pp_job and pp_job[0] else "",
     )

@@ -205,6 +205,10 @@ class PipelineJob:
 
     schedule: str
     microbatches: int
+    layers: list[int]  # decoder layers per (virtual) stage
+
+    def describe(self) -> str:
+        return f"{len(self.layers)} stages, layers {self.layers}, schedule {self.schedule}, {self.microbatches} micro-batches per step"
 
     @classmethod
     def check(cls, cfg, pdims, model_name: str, args) -> "PipelineJob | None":
@@ -236,5 +240,5 @@ class PipelineJob:
         if schedule != "gpipe" and n < pdims.pp:
             raise PlanError(f"pp_schedule={schedule} needs at least pp={pdims.pp} micro-batches, got {n}",
                             hint="raise train.pp_microbatches or the global batch, or use pp_schedule=gpipe")
-        stage_layer_counts(args.num_hidden_layers, pdims.pp * pdims.vpp, list(pdims.pp_layers or []) or None)
-        return cls(schedule=schedule, microbatches=n)
+        layers = stage_layer_counts(args.num_hidden_layers, pdims.pp * pdims.vpp, list(pdims.pp_layers or []) or None)
+        return cls(schedule=schedule, microbatches=n, layers=layers)
