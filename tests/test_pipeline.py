@@ -137,9 +137,11 @@ def test_cli_refusal_is_one_line(tmp_path):
 
 
 def check_parity(single: dict[int, dict], got: dict[int, dict], what: str, keys=("loss", "grad_norm")) -> None:
+    """Loss (and aux loss) per step within 1e-5; the grad norm (~4, FSDP reduces in another order)
+    within 1e-4."""
     diffs = {key: worst(single, got, key) for key in keys}
     print(f"{what} vs single, max per-step diff:", diffs)
-    assert all(d <= TOL for d in diffs.values()), diffs
+    assert all(d <= (1e-4 if key == "grad_norm" else TOL) for key, d in diffs.items()), diffs
     assert single[1]["loss"] != single[STEPS]["loss"]  # the weights moved
 
 
