@@ -188,6 +188,13 @@ def test_cp2_gradients_equal_one_process(model):
     compare_grads(model, "cp2", 2)
 
 
+def test_cp2_gradients_on_packed_documents_equal_one_process():
+    """Packed Shakespeare lines (positions restarting per document, many documents per row and across
+    the shard edge): the kernels read the whole-row documents after the all-to-all, and the MTP
+    stream's documents (one padded row on the last rank) too."""
+    assert_layout_matches_single(["model=qwen3_5_moe", "data=json", *STEP, *MOE], "cp2", 2)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("model", ["qwen3_5_vl", "qwen3_5_moe_vl"])
 def test_cp2_gradients_equal_one_process_vl(model):
@@ -196,10 +203,12 @@ def test_cp2_gradients_equal_one_process_vl(model):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("model", "layout"), [("qwen3_5_moe", "fsdp2_cp2"), ("qwen3_vl_moe", "hsdp2_cp2"),
-                                               ("qwen3_5_moe", "tp2_cp2"), ("qwen3_vl_moe", "tp2_cp2")])
+                                               ("qwen3_5_moe", "tp2_cp2"), ("qwen3_vl_moe", "tp2_cp2"),
+                                               ("qwen3_5_moe", "fsdp2_cp2_ep2")])
 def test_four_rank_cp_layouts_gradients_equal_one_process(model, layout):
-    """dp_shard 2 x cp 2 (FSDP over 4 ranks), dp_replicate 2 x cp 2 (HSDP + CP) and tp 2 x cp 2 (SP
-    inside each cp shard, one head per rank, KV / key heads repeated)."""
+    """dp_shard 2 x cp 2 (FSDP over 4 ranks), dp_replicate 2 x cp 2 (HSDP + CP), tp 2 x cp 2 (SP
+    inside each cp shard, one head per rank, KV / key heads repeated) and dp_shard 2 x cp 2 x ep 2
+    (experts split over ranks holding different sequence shards)."""
     compare_grads(model, layout, 4)
 
 
