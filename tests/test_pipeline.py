@@ -113,7 +113,6 @@ def test_stage_statistics_add_up_to_the_whole_model():
     (["parallel.world_size=4", "parallel.pp=2", "parallel.tp=2"], "pp with tp not supported yet"),
     (["parallel=pp2", "model=qwen3_vl_moe"], "pp for qwen3_vl_moe not supported yet"),
     (["parallel=pp2", "checkpoint=default"], "checkpoints and HF export under pp not supported yet"),
-    (["parallel=pp2", "model=qwen3_5_moe", "model.mtp_loss_weight=0.3"], "pp with MTP"),
     (["parallel=pp2", "train.pp_microbatches=3"], "train.pp_microbatches=3 must divide the 4 rows"),
     (["parallel=pp2_1f1b", "train.global_batch_size=1"], "needs at least pp=2 micro-batches"),
     (["parallel=pp2", "parallel.pp_schedule=interleaved_1f1b"], "interleaved_1f1b needs vpp > 1"),
@@ -152,11 +151,25 @@ def test_pp2_gpipe_and_1f1b_match_single(tmp_path):
 
 
 def test_moe_pp2_matches_single_with_aux(tmp_path):
-    """Router statistics of both stages pooled per micro-batch: the aux loss equals one process's."""
-    single = run(tmp_path / "single", ["model=qwen3_5_moe", "parallel=single"])
-    got = run(tmp_path / "pp2", ["model=qwen3_5_moe", "parallel=pp2_1f1b"])
+    """Router statistics of both stages pooled per micro-batch: the aux loss equals one process's.
+    Packed documents (json data): the restarting position ids reach every stage."""
+    data = ["model=qwen3_5_moe", "data=json", f"data.cache_dir={tmp_path / 'cache'}", "train.seq_len=32"]
+    single = run(tmp_path / "single", [*data, "parallel=single"])
+    got = run(tmp_path / "pp2", [*data, "parallel=pp2_1f1b"])
     assert all(r["aux_loss"] > 0 for r in got.values())
     check_parity(single, got, "qwen3_5_moe pp2_1f1b", keys=("loss", "aux_loss", "grad_norm"))
+
+
+@pytest.mark.slow
+def test_moe_mtp_pp2_tracks_single(tmp_path):
+    """The MTP head trains on the last stage with its copy of the embedding, the gradients summed with
+    the first stage's. (One process adds the two contributions per micro-batch, the pipeline per
+    stage: on dummy data that order changes nothing measurable; on packed json data the MTP loss
+    drifted by 4e-5 over 6 steps, as with a tied head.)"""
+    mtp = ["model=qwen3_5_moe", "model.mtp_loss_weight=0.3"]
+    single = run(tmp_path / "single", [*mtp, "parallel=single"])
+    got = run(tmp_path / "pp2", [*mtp, "parallel=pp2_1f1b"])
+    check_parity(single, got, "qwen3_5_moe + MTP pp2_1f1b", keys=("loss", "aux_loss", "mtp_loss", "grad_norm"))
 
 
 @pytest.mark.slow

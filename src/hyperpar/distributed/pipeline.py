@@ -4,8 +4,9 @@ A stage is the whole model with what it does not run deleted (the layer stack is
 ``nn.ModuleDict`` keyed "0".."L-1", so the kept layers keep their names and with them their
 initialisation, checkpoint and export keys). The first stage keeps the embedding, the last the
 final norm, the head and the MTP module; with tied embeddings the last stage keeps the embedding
-too, as the owner of the head's weight, so both copies start equal; their gradients are summed
-over the two stages after the backward (``TiedWeights``).
+too, as the owner of the head's weight, and so it does for a trained MTP module (which embeds the
+tokens): both copies start equal; their gradients are summed over the two stages after the
+backward (``SharedEmbedding``).
 
 Stage I/O: the first stage reads token ids, later stages the previous stage's hidden states. A
 MoE stage also passes on its router statistics, packed in one fp32 vector and added stage by
@@ -99,20 +100,43 @@ class StageForward:
     pp_is_last: bool = False
 
     def forward(self, x: torch.Tensor, stats: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-                attention_mask: torch.Tensor | None = None):
+                attention_mask: torch.Tensor | None = None, token_ids: torch.Tensor | None = None):
+        """``token_ids``: the micro-batch's tokens, read by the last stage's MTP module only."""
         E = self.pp_num_experts
         if self.pp_is_last:
-            out = super().forward(x, position_ids, attention_mask)
+            if getattr(self, "mtp_active", False):
+                out = self._forward_with_mtp(x, position_ids, attention_mask, token_ids)
+            else:
+                out = super().forward(x, position_ids, attention_mask)
             if not E:
                 return out
             own = pack_stats(out.router_stats, E, out.logits.device)
-            return out.logits, own if stats is None else stats + own
+            total = own if stats is None else stats + own
+            return (out.logits, total) if out.mtp_logits is None else (out.logits, total, out.mtp_logits)
         with record_router_stats() as sink:
             h = self.model(x, position_ids, attention_mask)  # the text stack: what forward runs without a head
         if not E:
             return h
         own = pack_stats(RouterStats.pool(sink) if sink else None, E, h.device)
         return h, own if stats is None else stats + own
+
+    def _forward_with_mtp(self, h, position_ids, attention_mask, token_ids):
+        """The head and the MTP step of the last stage: the MTP module reads the embedding of the
+        tokens (this stage's copy of the embedding) and the stack's final hidden states."""
+        from hyperpar.models.output import ModelOutput
+
+        with record_router_stats() as sink:
+            h = self.model(h, position_ids, attention_mask)
+            mtp_h = self.mtp.predict(self.model.embed_tokens(token_ids), h, self.model.rotary_emb, position_ids,
+                                     attention_mask)
+            logits, mtp_logits = self.lm_head(h), self.lm_head(mtp_h)
+        return ModelOutput.of(logits, sink, self.args.router_aux_loss_coef, mtp_logits)
+
+
+def shares_embedding(args) -> bool:
+    """The last stage needs the embedding too: a tied head, or a trained MTP module that embeds tokens."""
+    return bool(getattr(args, "tie_word_embeddings", False)) or (
+        int(getattr(args, "mtp_num_hidden_layers", 0)) > 0 and float(getattr(args, "mtp_loss_weight", 0.0)) > 0)
 
 
 def as_stage(model: nn.Module, layers: range, *, is_first: bool, is_last: bool) -> nn.Module:
@@ -124,8 +148,7 @@ def as_stage(model: nn.Module, layers: range, *, is_first: bool, is_last: bool) 
     for key in list(text.layers.keys()):
         if int(key) not in layers:
             del text.layers[key]
-    tied = bool(getattr(model.args, "tie_word_embeddings", False))
-    if not is_first and not (is_last and tied):
+    if not is_first and not (is_last and shares_embedding(model.args)):
         text.embed_tokens = None
     if not is_last:
         text.norm = None
@@ -140,18 +163,19 @@ def as_stage(model: nn.Module, layers: range, *, is_first: bool, is_last: bool) 
     return model
 
 
-# ---- tied embedding and head ------------------------------------------------------------------------
+# ---- the embedding on both ends ----------------------------------------------------------------------
 
 
-class TiedWeights:
-    """The embedding on the first stage and the head on the last share one weight in the model:
-    each end holds a copy (same init, same updates) and the gradients are summed over the two."""
+class SharedEmbedding:
+    """The embedding on the first stage is used on the last too (tied head, MTP): each end holds a
+    copy (same name, so the same init or checkpoint tensor; same updates) and the gradients are
+    summed over the two."""
 
     def __init__(self, pdims, parts: list[nn.Module], stage_ids: list[int], num_stages: int) -> None:
         self.params: list[nn.Parameter] = []  # this rank's copy
         self.duplicate: set[int] = set()  # ids of the copies gradient clipping must not count again
         self.group = None
-        if not getattr(parts[0].args, "tie_word_embeddings", False):
+        if not shares_embedding(parts[0].args):  # the same on every rank: the groups are built collectively
             return
         ranks = pdims.mesh.mesh.reshape(pdims.pp, -1)  # pp is the outermost mesh axis
         pairs = [[int(ranks[0, c]), int(ranks[-1, c])] for c in range(ranks.shape[1])]
@@ -222,8 +246,6 @@ class PipelineJob:
         for axis in ("tp", "cp", "ep"):
             if getattr(pdims, axis) > 1:
                 raise PlanError(f"pp with {axis} not supported yet", hint=f"set parallel.{axis}=1 or parallel.pp=1")
-        if float(cfg.model.mtp_loss_weight) > 0:
-            raise PlanError("pp with MTP (model.mtp_loss_weight > 0) not supported yet", hint="set model.mtp_loss_weight=0")
         ck = cfg.checkpoint
         if ck.enabled or ck.load_path or ck.export_hf_at_end:
             raise PlanError("checkpoints and HF export under pp not supported yet", hint="set checkpoint=none (or parallel.pp=1)")

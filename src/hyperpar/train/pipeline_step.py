@@ -17,9 +17,10 @@ from torch import nn
 
 from hyperpar.distributed.pipeline import (
     PipelineJob,
-    TiedWeights,
+    SharedEmbedding,
     as_stage,
     build_schedule,
+    shares_embedding,
     local_stage_ids,
     stage_ranges,
     unpack_stats,
@@ -52,23 +53,24 @@ class PipelineStep:
                  self.num_stages, self.schedule_name, self.stage_ids, [list(ranges[s]) for s in self.stage_ids],
                  self.n_microbatches)
         self.has_last = self.num_stages - 1 in self.stage_ids
-        self.tied: TiedWeights | None = None
+        self.shared: SharedEmbedding | None = None
         self.schedule = None
         self.objective: Objective | None = None
         self.totals: StepTotals | None = None
         self.parts_log: list[MicroBatchLoss] = []
 
     def finish_setup(self, objective: Objective) -> None:
-        """After the parts are materialised: the tied-weight groups (collective) and the objective."""
+        """After the parts are materialised: the shared-embedding groups (collective) and the objective."""
         self.objective = objective
-        self.tied = TiedWeights(self.pdims, self.parts, self.stage_ids, self.num_stages)
+        self.shared = SharedEmbedding(self.pdims, self.parts, self.stage_ids, self.num_stages)
 
     # ---- the schedule ----------------------------------------------------------------------
     def _loss_fn(self, output, labels: torch.Tensor) -> torch.Tensor:
         part = self.parts[-1]
-        if isinstance(output, tuple):  # MoE: logits and the micro-batch's statistics of every stage
-            logits, packed = output
-            out = ModelOutput(logits, unpack_stats(packed, part.pp_num_experts), float(part.args.router_aux_loss_coef))
+        if isinstance(output, tuple):  # MoE: logits, the micro-batch's statistics of every stage (, MTP logits)
+            logits, packed, *mtp = output
+            out = ModelOutput(logits, unpack_stats(packed, part.pp_num_experts), float(part.args.router_aux_loss_coef),
+                              mtp[0] if mtp else None)
         else:
             out = output
         objective, parts = self.objective(out, labels, self.totals)
@@ -88,12 +90,14 @@ class PipelineStep:
 
     # ---- one optimizer step ------------------------------------------------------------------
     def forward_backward(self, micro_batches: list[dict[str, torch.Tensor]], totals: StepTotals, dp_size: int):
-        """Run the step's micro-batches through the schedule; returns (lm loss sum, aux sum, saw aux)
-        of this rank's data, equal on every stage."""
+        """Run the step's micro-batches through the schedule; returns the sums (lm loss, aux, MTP loss)
+        of this rank's data and whether aux / MTP ran, equal on every stage."""
         rows = {k: torch.cat([mb[k] for mb in micro_batches], dim=_batch_dim(k, micro_batches[0][k])).to(self.device)
                 for k in micro_batches[0]}
         labels = rows.pop("labels")
         input_ids = rows.pop("input_ids")
+        if shares_embedding(self.parts[0].args) and getattr(self.parts[0].args, "mtp_loss_weight", 0) > 0:
+            rows["token_ids"] = input_ids  # the last stage's MTP module embeds them
         if self.schedule is None:
             self._build(rows)
         self.totals = dataclasses.replace(totals, micro_batches=self.n_microbatches * dp_size)
@@ -104,22 +108,26 @@ class PipelineStep:
                 self.schedule.step(input_ids, target=labels if self.has_last else None, return_outputs=False, **rows)
             else:
                 self.schedule.step(target=labels if self.has_last else None, return_outputs=False, **rows)
-        self.tied.sum_grads()
+        self.shared.sum_grads()
         # The schedule's shape inference may have run the loss once before the micro-batches.
         logged = self.parts_log[-self.n_microbatches:] if self.has_last else []
-        sums = torch.zeros(3, dtype=torch.float32, device=self.device)
+        sums = torch.zeros(5, dtype=torch.float32, device=self.device)  # lm, aux, mtp, saw aux, saw mtp
         for p in logged:
             sums[0] += p.lm_sum
             if p.aux is not None:
                 sums[1] += p.aux
-                sums[2] = 1.0
+                sums[3] = 1.0
+            if p.mtp_sum is not None:
+                sums[2] += p.mtp_sum
+                sums[4] = 1.0
         if self.pdims.pp > 1:  # from the last stage's ranks to every stage
             dist.all_reduce(sums, group=self.pdims.submesh("pp").get_group())
         # The trainer divides the aux sum by its micro-batch count (the loader's), ours may differ.
-        return sums[0], sums[1] * len(micro_batches) / self.n_microbatches, bool(sums[2].item() > 0)
+        aux = sums[1] * len(micro_batches) / self.n_microbatches
+        return sums[0], aux, sums[2], bool(sums[3].item() > 0), bool(sums[4].item() > 0)
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        skip = self.tied.duplicate
+        skip = self.shared.duplicate
         params = [p for part in self.parts for p in part.parameters() if id(p) not in skip]
         return clip_grad_norm(params, max_norm, pp=self.pdims.pp)
 

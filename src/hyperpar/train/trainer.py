@@ -104,7 +104,8 @@ class Trainer:
         mtp_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         saw_aux = saw_mtp = False
         if self.pipeline is not None:
-            loss_sum, aux_sum, saw_aux = self.pipeline.forward_backward(micro_batches, totals, self.loader.dp_size)
+            loss_sum, aux_sum, mtp_sum, saw_aux, saw_mtp = self.pipeline.forward_backward(micro_batches, totals,
+                                                                                          self.loader.dp_size)
             micro_batches = []  # the schedule ran them
         for i, mb in enumerate(micro_batches):
             for part in self.model_parts:
