@@ -31,6 +31,13 @@ log = logging.getLogger("hyperpar")
 
 # Families whose stage forward (``StageForward``) is written; the others are refused in the plan.
 PP_FAMILIES = ("qwen3_5", "qwen3_5_moe")
+# What ``PipelineJob.check`` refuses today, as the support matrix page lists it.
+NOT_BUILT = (
+    ("`parallel.pp` > 1 with `tp`, `cp` or `ep` > 1", 'not built yet: "pp with tp not supported yet"'),
+    ("`parallel.pp` > 1 for the VL families", 'not built yet: "pp for qwen3_vl_moe not supported yet"'),
+    ("checkpoints / HF export under `parallel.pp` > 1", 'not built yet: "checkpoints and HF export under pp not supported yet"'),
+    ("`parallel.pp_schedule=zero_bubble`", 'not built yet: "pp_schedule=zero_bubble not supported yet"'),
+)
 
 
 # ---- split points ------------------------------------------------------------------------------

@@ -76,10 +76,11 @@ def render(table: dict[str, dict[str, dict]], refused: list[tuple[str, str]]) ->
 def refused_layouts() -> list[tuple[str, str]]:
     """What the plan refuses today, from the code's own list of unsupported axes."""
     from hyperpar.distributed.parallel_dims import NOT_SUPPORTED_YET
+    from hyperpar.distributed.pipeline import NOT_BUILT
 
     names = {"cp": "context parallel", "ep": "expert parallel", "pp": "pipeline parallel (and vpp)", "tp": "tensor parallel"}
     return [(f"`parallel.{axis}` > 1", f"{names.get(axis, axis)} is not built yet: \"not supported yet: {axis}=N\"")
-            for axis in NOT_SUPPORTED_YET]
+            for axis in NOT_SUPPORTED_YET] + list(NOT_BUILT)
 
 
 def main(argv: list[str] | None = None) -> int:
