@@ -20,7 +20,7 @@ CASES = [
     (["parallel=tp2", "train.seq_len=33"], "train.seq_len (sequence parallel) 33 not divisible by tp 2"),
     (["parallel=cp2", "train.seq_len=33"], "train.seq_len (context parallel) 33 not divisible by cp 2"),
     (["parallel=tp2_cp2", "train.seq_len=34"], "train.seq_len (context parallel) 34 not divisible by cp x tp (sequence parallel) 4"),
-    (["parallel.world_size=2", "parallel.dp_shard=1", "parallel.pp=2"], "not supported yet: pp=2"),
+    (["parallel.world_size=4", "parallel.dp_shard=1", "parallel.pp=2", "parallel.tp=2"], "pp with tp not supported yet"),
     (["parallel.world_size=2", "parallel.dp_shard=2", "parallel.ep=2"], "parallel.ep=2 but the model has no experts"),
     (["model.hf_path=/nonexistent/model"], "model.hf_path '/nonexistent/model' does not exist"),
 ]
@@ -55,10 +55,10 @@ def test_dry_run_prints_plan_without_workers(tmp_path):
 
 
 def test_dry_run_rejects_unsupported_with_verdict(tmp_path):
-    res = run_cli(["parallel.world_size=2", "parallel.dp_shard=1", "parallel.pp=2", "dry_run=true",
-                   f"hydra.run.dir={tmp_path}/run"], cwd=tmp_path, timeout=120)
+    res = run_cli(["parallel=pp2", "model=qwen3_vl_moe", "dry_run=true", f"hydra.run.dir={tmp_path}/run"],
+                  cwd=tmp_path, timeout=120)
     assert res.returncode != 0
-    assert "REJECTED: not supported yet: pp=2" in res.stdout
+    assert "REJECTED: pp for qwen3_vl_moe not supported yet" in res.stdout
 
 
 def test_dry_run_shows_tensor_parallel_memory(tmp_path):

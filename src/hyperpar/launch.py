@@ -108,8 +108,15 @@ def worker_main(cfg: DictConfig, run_dir: str) -> dict[str, Any]:
         pipeline = PipelineStep(builder, pdims, cfg, device) if pdims.pp > 1 else None
         parts = pipeline.parts if pipeline is not None else [builder.spec.parallelize(model, pdims, cfg)]
         model = parts[0]
+        load_report: dict = {}
         for part in parts:
-            materialize(part, device, seed=cfg.train.seed, source=builder.weight_source())
+            materialize(part, device, seed=cfg.train.seed, source=builder.weight_source(), report=load_report)
+        if builder.load_weights:
+            mb = 2**20
+            log.info("loaded %s: this rank holds %.1f MB of parameters, read %.1f MB (largest read %.1f MB)",
+                     builder.hf_path, load_report["local_param_bytes"] / mb, load_report["read_bytes"] / mb,
+                     load_report["max_read_bytes"] / mb)
+        for part in parts:
             part.train()
         optimizer, scheduler = instantiate(cfg.optim, _partial_=True)(
             model=pipeline.optim_model if pipeline is not None else model, total_steps=cfg.train.steps)
