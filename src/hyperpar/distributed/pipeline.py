@@ -110,6 +110,7 @@ class StageForward:
                 attention_mask: torch.Tensor | None = None, token_ids: torch.Tensor | None = None):
         """``token_ids``: the micro-batch's tokens, read by the last stage's MTP module only."""
         E = self.pp_num_experts
+        stats = self.__dict__.pop("_pp_stats_fp32", stats)  # see keep_stats_fp32
         if self.pp_is_last:
             if getattr(self, "mtp_active", False):
                 out = self._forward_with_mtp(x, position_ids, attention_mask, token_ids)
@@ -144,6 +145,18 @@ def shares_embedding(args) -> bool:
     """The last stage needs the embedding too: a tied head, or a trained MTP module that embeds tokens."""
     return bool(getattr(args, "tie_word_embeddings", False)) or (
         int(getattr(args, "mtp_num_hidden_layers", 0)) > 0 and float(getattr(args, "mtp_loss_weight", 0.0)) > 0)
+
+
+def keep_stats_fp32(stage: nn.Module) -> None:
+    """After FSDP: its root casts floating inputs to the compute dtype, which would round the router
+    counts in bf16; this hook, ahead of FSDP's, hands forward the received fp32 vector itself (the
+    tensor the schedule differentiates against, so gradients still reach the previous stage)."""
+    def keep(module: nn.Module, args: tuple) -> None:
+        if len(args) > 1 and isinstance(args[1], torch.Tensor):
+            module.__dict__["_pp_stats_fp32"] = args[1]
+
+    if stage.pp_num_experts:
+        stage.register_forward_pre_hook(keep, prepend=True)
 
 
 def as_stage(model: nn.Module, layers: range, *, is_first: bool, is_last: bool) -> nn.Module:

@@ -20,6 +20,7 @@ from hyperpar.distributed.pipeline import (
     SharedEmbedding,
     as_stage,
     build_schedule,
+    keep_stats_fp32,
     shares_embedding,
     local_stage_ids,
     stage_ranges,
@@ -49,6 +50,7 @@ class PipelineStep:
         for sid in self.stage_ids:
             part = as_stage(builder.build_meta(), ranges[sid], is_first=sid == 0, is_last=sid == self.num_stages - 1)
             self.parts.append(builder.spec.parallelize(part, pdims, cfg))  # TP -> AC -> FSDP, per stage
+            keep_stats_fp32(self.parts[-1])
         log.info("pipeline: %d stages (%s), this rank runs %s with layers %s; %d micro-batches per step",
                  self.num_stages, self.schedule_name, self.stage_ids, [list(ranges[s]) for s in self.stage_ids],
                  self.n_microbatches)
