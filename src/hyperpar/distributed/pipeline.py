@@ -191,7 +191,7 @@ class SharedEmbedding:
     copy (same name, so the same init or checkpoint tensor; same updates) and the gradients are
     summed over the two."""
 
-    def __init__(self, pdims, parts: list[nn.Module], stage_ids: list[int], num_stages: int) -> None:
+    def __init__(self, pdims, parts: list[nn.Module], stage_ids: list[int]) -> None:
         self.params: list[nn.Parameter] = []  # this rank's copy
         self.duplicate: set[int] = set()  # ids of the copies gradient clipping must not count again
         self.group = None

@@ -21,8 +21,8 @@ from hyperpar.distributed.pipeline import (
     as_stage,
     build_schedule,
     keep_stats_fp32,
-    shares_embedding,
     local_stage_ids,
+    shares_embedding,
     stage_ranges,
     unpack_stats,
 )
@@ -64,7 +64,7 @@ class PipelineStep:
     def finish_setup(self, objective: Objective) -> None:
         """After the parts are materialised: the shared-embedding groups (collective) and the objective."""
         self.objective = objective
-        self.shared = SharedEmbedding(self.pdims, self.parts, self.stage_ids, self.num_stages)
+        self.shared = SharedEmbedding(self.pdims, self.parts, self.stage_ids)
 
     # ---- the schedule ----------------------------------------------------------------------
     def _loss_fn(self, output, labels: torch.Tensor) -> torch.Tensor:
