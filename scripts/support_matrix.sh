@@ -7,8 +7,8 @@ cd "$(dirname "$0")/.."
 out=${MATRIX_DIR:-multirun/support_matrix}
 run=(train.seq_len=32 train.global_batch_size=4 train.micro_batch_size=1 launch.threads_per_rank=1 train.steps=8
      parity.tolerance_step=1e-5 "$@")
-dense=single,ddp2,fsdp2,hsdp2x2,tp2,fsdp_tp2,hsdp2_tp2,fsdp2_tp2_nosp
-moe=$dense,ep2,fsdp4_ep2,fsdp2_tp2_ep2
+dense=single,ddp2,fsdp2,hsdp2x2,tp2,fsdp_tp2,hsdp2_tp2,fsdp2_tp2_nosp,cp2,fsdp2_cp2,hsdp2_cp2,tp2_cp2
+moe=$dense,ep2,fsdp4_ep2,fsdp2_tp2_ep2,fsdp2_cp2_ep2
 pp=pp2,pp2_1f1b,pp2_vpp2,fsdp2_pp2  # pipeline layouts: the text families only for now
 sweeps=()
 for spec in qwen3_5:$dense,$pp qwen3_5_vl:$dense qwen3_5_moe:$moe,$pp qwen3_5_moe_vl:$moe qwen3_vl_moe:$moe; do

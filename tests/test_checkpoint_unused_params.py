@@ -100,7 +100,7 @@ def test_untrained_means_all_of_a_parameters_state_missing():
     assert untrained("model.a.weight", "optim.state.a.weight.step", "optim.state.a.weight.exp_avg") == []  # b: no value
 
 
-@pytest.mark.slow
+@pytest.mark.full
 @pytest.mark.parametrize("layout", ["fsdp2", "ddp2"])
 def test_multiprocess_untrained_mtp_head_resumes_bitwise(tmp_path, layout):
     base, run = tmp_path / "base", tmp_path / "run"

@@ -195,16 +195,18 @@ def test_cp2_gradients_on_packed_documents_equal_one_process():
     assert_layout_matches_single(["model=qwen3_5_moe", "data=json", *STEP, *MOE], "cp2", 2)
 
 
-@pytest.mark.slow
+@pytest.mark.full
 @pytest.mark.parametrize("model", ["qwen3_5_vl", "qwen3_5_moe_vl"])
 def test_cp2_gradients_equal_one_process_vl(model):
     compare_grads(model, "cp2", 2)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("model", "layout"), [("qwen3_5_moe", "fsdp2_cp2"), ("qwen3_vl_moe", "hsdp2_cp2"),
-                                               ("qwen3_5_moe", "tp2_cp2"), ("qwen3_vl_moe", "tp2_cp2"),
-                                               ("qwen3_5_moe", "fsdp2_cp2_ep2")])
+@pytest.mark.parametrize(("model", "layout"), [("qwen3_5_moe", "fsdp2_cp2"),
+                                               pytest.param("qwen3_vl_moe", "hsdp2_cp2", marks=pytest.mark.full),
+                                               ("qwen3_5_moe", "tp2_cp2"),
+                                               pytest.param("qwen3_vl_moe", "tp2_cp2", marks=pytest.mark.full),
+                                               pytest.param("qwen3_5_moe", "fsdp2_cp2_ep2", marks=pytest.mark.full)])
 def test_four_rank_cp_layouts_gradients_equal_one_process(model, layout):
     """dp_shard 2 x cp 2 (FSDP over 4 ranks), dp_replicate 2 x cp 2 (HSDP + CP), tp 2 x cp 2 (SP
     inside each cp shard, one head per rank, KV / key heads repeated) and dp_shard 2 x cp 2 x ep 2
@@ -243,7 +245,7 @@ def test_cp2_matches_single(tmp_path, model):
                  f"{model} cp2")
 
 
-@pytest.mark.slow
+@pytest.mark.full
 def test_fsdp2_cp2_matches_single(tmp_path):
     extra = CLI["qwen3_5_moe"]
     check_parity(run(tmp_path / "single", [*extra, "parallel=single"]),

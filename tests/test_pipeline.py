@@ -187,7 +187,7 @@ def test_fsdp2_pp2_matches_single(tmp_path):
     check_parity(single, run(tmp_path / "fsdp2_pp2", ["parallel=fsdp2_pp2"]), "qwen3_5 fsdp2_pp2")
 
 
-@pytest.mark.slow
+@pytest.mark.full
 def test_tied_embedding_pp2_tracks_single(tmp_path):
     """Tied embedding and head on different stages: equal at the start, gradients summed. The first
     step is exact; later steps differ by the order of the two gradient sums (per micro-batch in one

@@ -46,7 +46,7 @@ def test_tp2_gradients_equal_one_process(model: str) -> None:
         ("qwen3_5", "fsdp2_tp2_nosp", 4, []),  # replicated residual stream (no SP)
         ("qwen3_5_moe", "tp2", 2, ["train.activation_checkpoint=selective"]),  # AC recomputes TP collectives
         # dp_replicate 2 x dp_shard 2 x tp 2 on one mesh (8 ranks; global batch 8 so every DP rank has data)
-        pytest.param("qwen3_5", "hsdp2x2_tp2", 8, ["train.global_batch_size=8"], marks=pytest.mark.slow),
+        pytest.param("qwen3_5", "hsdp2x2_tp2", 8, ["train.global_batch_size=8"], marks=pytest.mark.full),
     ],
 )
 def test_tp_combinations_gradients_equal_one_process(model: str, layout: str, world: int, extra: list[str]) -> None:
