@@ -21,11 +21,12 @@ from pathlib import Path
 
 def run(layout: str, seq: int, steps: int, root: Path) -> dict:
     run_dir = root / layout
-    args = [sys.executable, "-m", "hyperpar", f"parallel={layout}", f"train.seq_len={seq}", "train.micro_batch_size=1",
+    # "cpN": context parallel over N ranks (parallel.cp=N on the cp2 preset)
+    par = [f"parallel={layout}"] if not layout.startswith("cp") else [
+        "parallel=cp2", f"parallel.cp={layout[2:]}", f"parallel.world_size={layout[2:]}"]
+    args = [sys.executable, "-m", "hyperpar", *par, f"train.seq_len={seq}", "train.micro_batch_size=1",
             f"train.global_batch_size={1}", f"train.steps={steps}", "launch.threads_per_rank=1",
             "metrics.progress_bar=false", f"hydra.run.dir={run_dir}"]
-    if layout != "single":
-        args.append("parallel.dp_shard=1")
     env = {**os.environ, "HYPERPAR_NO_BAR": "1"}
     res = subprocess.run(args, capture_output=True, text=True, env=env, cwd=root)
     if res.returncode != 0:
