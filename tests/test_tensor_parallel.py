@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from fixtures import qwen3_5 as tiny_qwen3_5
-from helpers import cli_env, records
+from helpers import cli_env, records, run_cli
 from layout_grads import layout_grads, max_rel_grad_diff
 
 # One step, global batch 4 of 32 tokens, 2 micro-batches per rank on 1 data-parallel rank.
@@ -90,8 +90,7 @@ def test_hf_checkpoint_loads_rank_locally_and_trains_under_tp2(tmp_path: Path) -
 
 
 def _cli(run_dir: Path, args: list[str], timeout: float = 900) -> subprocess.CompletedProcess:
-    res = subprocess.run([sys.executable, "-m", "hyperpar", *args, f"hydra.run.dir={run_dir}"], cwd=run_dir.parent,
-                         env=cli_env(), capture_output=True, text=True, timeout=timeout)
+    res = run_cli([*args, f"hydra.run.dir={run_dir}"], cwd=run_dir.parent, timeout=timeout)
     assert res.returncode == 0, res.stderr[-3000:]
     return res
 

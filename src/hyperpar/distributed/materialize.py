@@ -99,7 +99,7 @@ def _load_local(param: torch.Tensor, name: str, source: Callable[..., torch.Tens
         dest.copy_(t.to(device=dest.device, dtype=dest.dtype))
         return t.element_size(), t.element_size()
     rows = box[0].stop - box[0].start
-    row_bytes = max(1, dest[:1].numel() * 4 if rows else 1)  # fp32 reads
+    row_bytes = max(1, dest[:1].numel() * 4)  # fp32 reads
     per = max(1, min(READ_CHUNK_BYTES // row_bytes, -(-rows // 4)))
     # With a strided pick on dim 0 the chunk boundaries follow the picked rows, not the box.
     targets = picks[0] if picks[0] is not None else torch.arange(rows)

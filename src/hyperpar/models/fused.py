@@ -26,23 +26,6 @@ class FusedPart:
     count: int
     tensor: torch.Tensor
 
-    @property
-    def shape(self) -> torch.Size:
-        return self.tensor.shape
-
-    def numel(self) -> int:
-        return self.tensor.numel()
-
-    def element_size(self) -> int:
-        return self.tensor.element_size()
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.tensor.dtype
-
-    def is_floating_point(self) -> bool:
-        return self.tensor.is_floating_point()
-
 
 def join_parts(items: Iterable[tuple[str, torch.Tensor | FusedPart]]) -> Iterator[tuple[str, torch.Tensor]]:
     """Plain tensors pass through; the parts of a fused key are concatenated (in part order) and
@@ -66,13 +49,3 @@ def _plain(t: torch.Tensor) -> torch.Tensor:
     full_tensor = getattr(t, "full_tensor", None)  # DTensor
     return (full_tensor() if full_tensor is not None else t).detach()
 
-
-def split_sizes(total: int, parts: tuple[int, ...]) -> list[tuple[int, int]]:
-    """(offset, length) of each part of a fused dim of size ``total``."""
-    if sum(parts) != total:
-        raise CheckpointError(f"fused tensor has {total} rows, its parts need {sum(parts)}")
-    out, off = [], 0
-    for n in parts:
-        out.append((off, n))
-        off += n
-    return out

@@ -96,7 +96,7 @@ def stack_tensors(items: Sequence[torch.Tensor | LazyTensor]) -> torch.Tensor | 
     def fetch(index: Index) -> torch.Tensor:
         rows = index[0]
         inner = index[1:]
-        parts = [t[inner] if isinstance(t, LazyTensor) else t[inner] for t in items[rows]]
+        parts = [t[inner] for t in items[rows]]
         if not parts:
             return torch.empty((0, *[s.stop - s.start for s in inner]), dtype=first.dtype)
         return torch.stack(parts)

@@ -12,7 +12,6 @@ import torch.distributed as dist
 from torch import nn
 
 from hyperpar.errors import TrainingError
-from hyperpar.models.output import ModelOutput
 from hyperpar.train.objective import Objective
 from hyperpar.train.metrics import MetricsWriter
 from hyperpar.train.optim import clip_grad_norm
@@ -76,7 +75,6 @@ class Trainer:
         self.stop_after_steps = stop_after_steps
         self.preemption = preemption  # has ``.requested`` (set by SIGTERM), see checkpoint/preemption.py
         self.stop_reason: str | None = None
-        self.mtp_loss_weight = float(mtp_loss_weight)
         self.step = 0  # optimizer steps done
         self.tokens_seen = 0
         self.samples_seen = 0
@@ -95,8 +93,8 @@ class Trainer:
         n = len(micro_batches)
         # The aux loss is a per-forward statistic: averaged over every micro-batch of the global
         # batch, which is the same set of micro-batches in any layout with the same micro-batch size.
-        totals = self.objective.totals([mb["labels"].to(self.device) for mb in micro_batches],
-                                       n * self.loader.dp_size, self._sum_over_dp)
+        labels = [mb["labels"].to(self.device) for mb in micro_batches]
+        totals = self.objective.totals(labels, n * self.loader.dp_size, self._sum_over_dp)
         if totals.tokens.item() == 0:
             raise TrainingError(f"step {self.step + 1}: the global batch has no token with a label", hint="check the data's loss masking")
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
@@ -114,7 +112,7 @@ class Trainer:
                     part.set_requires_gradient_sync(i == n - 1)
             with self.objective.context():
                 out = self.model(**_model_inputs(mb, self.device))
-                objective, parts = self.objective(out, mb["labels"].to(self.device), totals)
+                objective, parts = self.objective(out, labels[i], totals)
                 objective.backward()
             loss_sum += parts.lm_sum
             if parts.aux is not None:
