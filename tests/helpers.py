@@ -245,3 +245,14 @@ def __getattr__(name: str):
     if name == "ProbeTrainer":
         return _probe_trainer_cls()
     raise AttributeError(name)
+
+
+def close_group(ok: bool) -> None:
+    """End a spawned test worker's process group. After a clean run every rank waits for the others
+    first: a rank that tears gloo down while a peer is still sending aborts that peer (SIGABRT,
+    'terminate called without an active exception')."""
+    import torch.distributed as dist
+
+    if ok:
+        dist.barrier()
+    dist.destroy_process_group()

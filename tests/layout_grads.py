@@ -13,6 +13,8 @@ from pathlib import Path
 
 import torch
 
+from helpers import close_group
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -30,8 +32,10 @@ def _worker(rank: int, world: int, port: int, overrides: list[str], out: str) ->
         result = one_step(overrides)
         if rank == 0:
             torch.save(result, out)
-    finally:
-        dist.destroy_process_group()
+    except BaseException:
+        close_group(ok=False)
+        raise
+    close_group(ok=True)
 
 
 def one_step(overrides: list[str]) -> dict:
@@ -43,6 +47,7 @@ def one_step(overrides: list[str]) -> dict:
     from hyperpar.config import build as instantiate
     from hyperpar.config import register_configs
     from hyperpar.data.loader import DistributedBatchLoader
+    from hyperpar.data.pad import pad_token_id
     from hyperpar.data.registry import DataContext
     from hyperpar.distributed.context_parallel import SequenceShard
     from hyperpar.distributed.materialize import materialize
@@ -69,8 +74,7 @@ def one_step(overrides: list[str]) -> dict:
                       default_type=builder.spec.default_data, run_dir=tempfile.mkdtemp())
     dataset = instantiate(cfg.data, _partial_=True, _convert_="all")(context=ctx)
     dp = pd.submesh("dp")
-    loader = DistributedBatchLoader(dataset, global_batch_size=t.global_batch_size, micro_batch_size=t.micro_batch_size,
-                                    dp_rank=dp.get_local_rank(), dp_size=dp.size())
+    loader = DistributedBatchLoader.for_layout(dataset, pd, t, pad_id=pad_token_id(args))
     micro_batches = loader.next_step()
 
     dp_cp = pd.submesh("dp_cp")  # the ranks holding different tokens (data and sequence shards)

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import cli_metrics
+from helpers import cli_metrics, close_group
 from layout_grads import assert_layout_matches_single
 
 CP = 2
@@ -114,8 +114,10 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
                 reports[f"gdn_nk{nk}_doc{packed}"] = _compare(gdn, lambda: _inputs(shapes, 10 + nk), list(shapes)[:5],
                                                               rank, group)
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(reports))
-    finally:
-        dist.destroy_process_group()
+    except BaseException:
+        close_group(ok=False)
+        raise
+    close_group(ok=True)
 
 
 def test_ulysses_kernels_under_cp2_equal_full_sequence(tmp_path):
@@ -137,15 +139,13 @@ GEOMETRY = {"num_attention_heads": 4, "num_key_value_heads": 2, "linear_num_key_
 
 
 @pytest.mark.parametrize(
-    ("degrees", "seq_len", "message"),
+    ("degrees", "message"),
     [
-        ({"cp": 8}, 256, "attention heads 4 not divisible by tp x cp 8"),
-        ({"cp": 2, "tp": 4}, 256, "linear-attention value heads 4 not divisible by tp x cp 8"),
-        ({"cp": 2}, 255, "train.seq_len (context parallel) 255 not divisible by cp 2"),
-        ({"cp": 2, "tp": 2}, 250, "train.seq_len (context parallel) 250 not divisible by cp x tp (sequence parallel) 4"),
+        ({"cp": 8}, "attention heads 4 not divisible by tp x cp 8"),
+        ({"cp": 2, "tp": 4}, "linear-attention value heads 4 not divisible by tp x cp 8"),
     ],
 )
-def test_cp_plan_errors(degrees, seq_len, message):
+def test_cp_plan_errors(degrees, message):
     from hyperpar.distributed.parallel_dims import ParallelDims
     from hyperpar.errors import PlanError
 
@@ -153,14 +153,14 @@ def test_cp_plan_errors(degrees, seq_len, message):
     pd = ParallelDims(world_size=world, dp_shard=1, **degrees)
     pd.check_supported()  # cp itself is supported
     with pytest.raises(PlanError, match=re.escape(message)):
-        pd.check_model(GEOMETRY, seq_len=seq_len, global_batch_size=4, micro_batch_size=1)
+        pd.check_model(GEOMETRY, global_batch_size=4, micro_batch_size=1)
 
 
 def test_cp_plan_accepts_kv_heads_fewer_than_cp():
     """2 KV heads (and 2 GDN key heads) under cp 4: repeated, not refused; no tp means no SP factor."""
     from hyperpar.distributed.parallel_dims import ParallelDims
 
-    ParallelDims(world_size=4, dp_shard=1, cp=4).check_model(GEOMETRY, seq_len=36, global_batch_size=4, micro_batch_size=1)
+    ParallelDims(world_size=4, dp_shard=1, cp=4).check_model(GEOMETRY, global_batch_size=4, micro_batch_size=1)
 
 
 # ---- gradients: one step of every family under cp layouts equals one process --------------------------
@@ -193,6 +193,21 @@ def test_cp2_gradients_on_packed_documents_equal_one_process():
     the shard edge): the kernels read the whole-row documents after the all-to-all, and the MTP
     stream's documents (one padded row on the last rank) too."""
     assert_layout_matches_single(["model=qwen3_5_moe", "data=json", *STEP, *MOE], "cp2", 2)
+
+
+@pytest.mark.parametrize(("model", "layout", "seq_len"), [
+    ("qwen3_5_moe", "cp2", 255),
+    pytest.param("qwen3_vl_moe", "cp2", 253, marks=pytest.mark.full),
+    pytest.param("qwen3_5_moe", "tp2_cp2", 254, marks=pytest.mark.slow),
+    pytest.param("qwen3_5", "tp2", 255, marks=pytest.mark.full),  # sequence parallel alone
+])
+def test_seq_len_not_divisible_is_padded(model, layout, seq_len):
+    """A row that does not divide by the sequence split (cp, x tp under SP) is right-padded by the
+    loader: pads masked out of the loss and the router statistics, so one step's loss, aux loss and
+    every gradient equal the unpadded single run's."""
+    base = [f"model={model}", *(o for o in STEP if not o.startswith("train.seq_len")), *FAMILY[model],
+            f"train.seq_len={seq_len}"]
+    assert_layout_matches_single(base, layout, 4 if layout == "tp2_cp2" else 2)
 
 
 @pytest.mark.full

@@ -10,7 +10,7 @@ import torch
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from helpers import compose_cfg, read_losses
+from helpers import close_group, compose_cfg, read_losses
 from hyperpar.errors import TrainingError
 from hyperpar.launch import worker_main
 
@@ -51,8 +51,10 @@ def test_one_rank_params_are_leaf_dtensors_like_n_ranks(tmp_path):
         logits.float().logsumexp(-1).mean().backward()
         opt.step()
         assert all(p.grad is not None for p in model.parameters())
-    finally:
-        dist.destroy_process_group()
+    except BaseException:
+        close_group(ok=False)
+        raise
+    close_group(ok=True)
 
 
 @pytest.mark.parametrize("mode", ["full", "selective"])

@@ -31,28 +31,29 @@ def test_bad_degrees(kw, msg):
 def test_model_divisibility_checks():
     p = ParallelDims(world_size=4, dp_shard=1, tp=4)
     # fewer KV heads than tp: replicated (each rank keeps the KV head its query heads read) ...
-    p.check_model({"num_attention_heads": 8, "num_key_value_heads": 2}, seq_len=128, global_batch_size=8, micro_batch_size=1)
+    p.check_model({"num_attention_heads": 8, "num_key_value_heads": 2}, global_batch_size=8, micro_batch_size=1)
     # ... unless replication is disabled, or the KV heads cannot be spread evenly
     with pytest.raises(PlanError, match="replicate_kv_heads=false"):
         ParallelDims(world_size=4, dp_shard=1, tp=4, replicate_kv_heads=False).check_model(
-            {"num_attention_heads": 8, "num_key_value_heads": 2}, seq_len=128, global_batch_size=8, micro_batch_size=1)
+            {"num_attention_heads": 8, "num_key_value_heads": 2}, global_batch_size=8, micro_batch_size=1)
     with pytest.raises(PlanError, match="key/value heads 3 cannot be split over tp 4"):
-        p.check_model({"num_attention_heads": 12, "num_key_value_heads": 3}, seq_len=128, global_batch_size=8, micro_batch_size=1)
+        p.check_model({"num_attention_heads": 12, "num_key_value_heads": 3}, global_batch_size=8, micro_batch_size=1)
     with pytest.raises(PlanError, match="attention heads 4 not divisible by tp 3"):
         ParallelDims(world_size=3, dp_shard=1, tp=3).check_model(
-            {"num_attention_heads": 4, "num_key_value_heads": 1}, seq_len=129, global_batch_size=8, micro_batch_size=1)
-    with pytest.raises(PlanError, match="seq_len .* not divisible by tp 4"):
-        p.check_model({"num_attention_heads": 8}, seq_len=130, global_batch_size=8, micro_batch_size=1)
-    ParallelDims(world_size=4, dp_shard=1, tp=4, sequence_parallel=False).check_model(
-        {"num_attention_heads": 8}, seq_len=130, global_batch_size=8, micro_batch_size=1)
+            {"num_attention_heads": 4, "num_key_value_heads": 1}, global_batch_size=8, micro_batch_size=1)
+    # rows are padded to the sequence split: tp under SP, cp x tp with CP, nothing without SP
+    assert p.seq_multiple == 4
+    assert ParallelDims(world_size=4, dp_shard=1, tp=4, sequence_parallel=False).seq_multiple == 1
+    assert ParallelDims(world_size=8, dp_shard=1, tp=2, cp=4).seq_multiple == 8
+    assert ParallelDims(world_size=8, dp_shard=2, tp=2, cp=2, sequence_parallel=False).seq_multiple == 2
     with pytest.raises(PlanError, match="vocab size 1001 not divisible by tp 4"):
-        p.check_model({"vocab_size": 1001}, seq_len=128, global_batch_size=8, micro_batch_size=1)
+        p.check_model({"vocab_size": 1001}, global_batch_size=8, micro_batch_size=1)
     p = ParallelDims(world_size=2, dp_shard=2)
     with pytest.raises(PlanError, match="global_batch_size 6"):
-        p.check_model({}, seq_len=128, global_batch_size=6, micro_batch_size=2)
+        p.check_model({}, global_batch_size=6, micro_batch_size=2)
     p = ParallelDims(world_size=4, dp_shard=1, pp=4)
     with pytest.raises(PlanError, match="cannot fill pp"):
-        p.check_model({"num_hidden_layers": 2}, seq_len=128, global_batch_size=4, micro_batch_size=1)
+        p.check_model({"num_hidden_layers": 2}, global_batch_size=4, micro_batch_size=1)
 
 
 def test_lr_schedule_shapes():
@@ -88,3 +89,25 @@ def test_loader_gives_disjoint_slices_of_the_same_global_batch():
     again.load_state_dict(state)
     assert torch.equal(torch.cat([mb["input_ids"] for mb in again.next_step()]),
                        torch.cat([mb["input_ids"] for mb in whole.next_step()]))
+
+
+def test_rows_padded_to_the_sequence_split():
+    """Pads go after the last token: ids pad_id, labels ignored, mask 0 (added when absent), positions
+    counting on per row and per mRoPE channel; vision tensors untouched; a divisible row unchanged."""
+    from hyperpar.data.pad import pad_to_multiple
+
+    ids = torch.arange(10).view(2, 5)
+    batch = {"input_ids": ids, "labels": ids + 1, "position_ids": torch.tensor([[0, 1, 2, 0, 1], [3, 4, 5, 6, 7]]),
+             "pixel_values": torch.ones(3, 5)}
+    out = pad_to_multiple(batch, 4, pad_id=7)
+    assert out["input_ids"].tolist() == [[0, 1, 2, 3, 4, 7, 7, 7], [5, 6, 7, 8, 9, 7, 7, 7]]
+    assert out["labels"][:, 5:].eq(-100).all() and out["labels"][:, :5].equal(ids + 1)
+    assert out["attention_mask"].tolist() == [[1] * 5 + [0] * 3] * 2
+    assert out["position_ids"].tolist() == [[0, 1, 2, 0, 1, 3, 4, 5], [3, 4, 5, 6, 7, 8, 9, 10]]
+    assert out["pixel_values"] is batch["pixel_values"]
+    mrope = {"input_ids": ids, "labels": ids, "attention_mask": torch.ones(2, 5, dtype=torch.long),
+             "mm_token_type_ids": torch.ones(2, 5, dtype=torch.long), "position_ids": torch.zeros(3, 2, 5, dtype=torch.long)}
+    out = pad_to_multiple(mrope, 3)
+    assert out["position_ids"].shape == (3, 2, 6) and out["position_ids"][:, :, 5].eq(1).all()
+    assert out["mm_token_type_ids"][:, 5].eq(0).all() and out["attention_mask"][:, 5].eq(0).all()
+    assert pad_to_multiple(batch, 5) is batch

@@ -75,6 +75,7 @@ def worker_main(cfg: DictConfig, run_dir: str) -> dict[str, Any]:
     from hyperpar.config import build as instantiate
 
     from hyperpar.data.loader import DistributedBatchLoader
+    from hyperpar.data.pad import pad_token_id
     from hyperpar.data.registry import DataContext
     from hyperpar.device import resolve_device, set_deterministic
     from hyperpar.distributed.context_parallel import SequenceShard
@@ -125,9 +126,7 @@ def worker_main(cfg: DictConfig, run_dir: str) -> dict[str, Any]:
                           vocab_size=builder.args.vocab_size if hasattr(builder.args, "vocab_size") else builder.args.text.vocab_size,
                           model_args=builder.args, default_type=cfg.model.default_data or builder.spec.default_data, run_dir=run_dir)
         dataset = instantiate(cfg.data, _partial_=True, _convert_="all")(context=ctx)
-        dp_mesh = pdims.submesh("dp")
-        loader = DistributedBatchLoader(dataset, global_batch_size=t.global_batch_size, micro_batch_size=t.micro_batch_size,
-                                        dp_rank=dp_mesh.get_local_rank(), dp_size=dp_mesh.size())
+        loader = DistributedBatchLoader.for_layout(dataset, pdims, t, pad_id=pad_token_id(builder.args))
         # Restarted workers (elastic restart) always resume from the newest complete checkpoint.
         checkpointer = instantiate(cfg.checkpoint, _partial_=True)(
             run_dir=run_dir, job_cfg=cfg, rank=rank, world_size=world, device_type=dev.type)

@@ -32,6 +32,7 @@ class Plan:
     tp_split_params: int = 0  # parameters the tensor-parallel plan splits over tp
     tp_setup: str = ""
     pp_setup: str = ""  # stages, layers per stage, schedule, micro-batches (pp > 1)
+    row_padding: str = ""  # seq_len padded to the sequence split (cp, tp under SP)
 
     @property
     def ok(self) -> bool:
@@ -50,6 +51,7 @@ class Plan:
                f"{(self.total_params - self.tp_split_params) / 1e6:.3f} M whole on every tp rank)" if p.tp > 1 else ")"),
             *([f"tensor par  {self.tp_setup}"] if p.tp > 1 else []),
             *([f"pipeline    {self.pp_setup}"] if self.pp_setup else []),
+            *([f"rows        {self.row_padding}"] if self.row_padding else []),
             f"memory/rank params {self.mem_params_mb:.1f} MB + grads {self.mem_grads_mb:.1f} MB + optimizer {self.mem_optim_mb:.1f} MB"
             f" + gathered block {self.mem_gathered_mb:.1f} MB = {total_mem:.1f} MB (activations not included)",
             f"batch       grad accumulation {self.grad_accum} micro-batches per step",
@@ -104,6 +106,16 @@ def _tp_setup(pdims: ParallelDims, train_cfg) -> str:
             f"vision_tp={pdims.vision_tp}, replicate_kv_heads={pdims.replicate_kv_heads}")
 
 
+def _row_padding(pdims: ParallelDims, seq_len: int) -> str:
+    from hyperpar.data.pad import padded_length
+
+    padded = padded_length(seq_len, pdims.seq_multiple)
+    if padded == seq_len:
+        return ""
+    return (f"seq_len {seq_len} padded to {padded} (a multiple of the sequence split {pdims.seq_multiple}); "
+            f"the {padded - seq_len} pad tokens per row have masked labels and are left out of router statistics")
+
+
 def check_pp_schedule(name: str) -> str:
     """The canonical schedule name for ``parallel.pp_schedule`` (case and ``-``/``_`` ignored)."""
     key = name.lower().replace("-", "").replace("_", "")
@@ -135,7 +147,7 @@ def make_plan(cfg: DictConfig, *, strict: bool = True) -> Plan:
 
     pp_job: list[PipelineJob | None] = []
     for check in (pdims.check_supported, lambda: pp_job.append(PipelineJob.check(cfg, pdims, cfg.model.name, builder.args)),
-                  lambda: pdims.check_model(builder.geometry(), seq_len=t.seq_len, global_batch_size=t.global_batch_size,
+                  lambda: pdims.check_model(builder.geometry(), global_batch_size=t.global_batch_size,
                                             micro_batch_size=t.micro_batch_size)):
         try:
             check()
@@ -164,4 +176,5 @@ def make_plan(cfg: DictConfig, *, strict: bool = True) -> Plan:
         mem_optim_mb=2 * per_rank * master / mb, mem_gathered_mb=2 * largest * compute / mb,
         grad_accum=pdims.grad_accum_steps(t.global_batch_size, t.micro_batch_size), problems=problems,
         pp_setup=pp_job[0].describe() if pp_job and pp_job[0] else "",
+        row_padding=_row_padding(pdims, t.seq_len),
     )

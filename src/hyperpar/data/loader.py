@@ -12,6 +12,7 @@ from typing import Callable
 import torch
 
 from hyperpar.data.collate import collate_text
+from hyperpar.data.pad import pad_to_multiple
 from hyperpar.data.registry import SampleSource
 
 
@@ -25,6 +26,8 @@ class DistributedBatchLoader:
         dp_rank: int,
         dp_size: int,
         collate: Callable[[list[dict]], dict] | None = None,
+        seq_multiple: int = 1,
+        pad_id: int = 0,
     ) -> None:
         assert global_batch_size % (micro_batch_size * dp_size) == 0
         self.source = source
@@ -33,7 +36,18 @@ class DistributedBatchLoader:
         self.dp_rank = dp_rank
         self.dp_size = dp_size
         self.collate = collate or getattr(source, "collate", None) or collate_text
+        self.seq_multiple = seq_multiple
+        self.pad_id = pad_id
         self.step = 0
+
+    @classmethod
+    def for_layout(cls, source: SampleSource, parallel_dims, train_cfg, pad_id: int = 0) -> DistributedBatchLoader:
+        """The loader of this rank under ``parallel_dims``: its data-parallel slice, rows padded to the
+        layout's sequence split (see :mod:`hyperpar.data.pad`)."""
+        dp = parallel_dims.submesh("dp")
+        return cls(source, global_batch_size=train_cfg.global_batch_size, micro_batch_size=train_cfg.micro_batch_size,
+                   dp_rank=dp.get_local_rank(), dp_size=dp.size(), seq_multiple=parallel_dims.seq_multiple,
+                   pad_id=pad_id)
 
     def indices_for_step(self, step: int) -> list[int]:
         per_rank = self.global_batch_size // self.dp_size
@@ -45,7 +59,8 @@ class DistributedBatchLoader:
         idx = self.indices_for_step(self.step)
         self.step += 1
         mb = self.micro_batch_size
-        return [self.collate([self.source[i] for i in idx[j : j + mb]]) for j in range(0, len(idx), mb)]
+        return [pad_to_multiple(self.collate([self.source[i] for i in idx[j : j + mb]]), self.seq_multiple, self.pad_id)
+                for j in range(0, len(idx), mb)]
 
     def state_dict(self) -> dict:
         return {"step": self.step, "global_batch_size": self.global_batch_size}

@@ -90,7 +90,7 @@ class ParallelDims:
                 hint="this build trains DDP/FSDP/HSDP with tensor (+sequence), context, expert and pipeline parallel",
             )
 
-    def check_model(self, geometry: dict[str, int], *, seq_len: int, global_batch_size: int, micro_batch_size: int) -> None:
+    def check_model(self, geometry: dict[str, int], *, global_batch_size: int, micro_batch_size: int) -> None:
         """Divisibility of the model and batch against the degrees; ``geometry`` values of 0 mean 'absent'."""
         problems: list[str] = []
 
@@ -127,11 +127,7 @@ class ParallelDims:
             split = self.tp * self.cp
             need(geometry.get("num_attention_heads", 0), split, "attention heads", "tp x cp")
             need(geometry.get("linear_num_value_heads", 0), split, "linear-attention value heads", "tp x cp")
-            per_rank = self.cp * (self.tp if self.sequence_parallel else 1)
-            need(seq_len, per_rank, "train.seq_len (context parallel)",
-                 "cp x tp (sequence parallel)" if self.sequence_parallel and self.tp > 1 else "cp")
-        elif self.sequence_parallel:
-            need(seq_len, self.tp, "train.seq_len (sequence parallel)", "tp")
+        # A seq_len that does not divide by seq_multiple is padded by the loader (hyperpar.data.pad).
         dp = self.dp
         if global_batch_size % (micro_batch_size * dp):
             problems.append(
@@ -142,6 +138,12 @@ class ParallelDims:
             raise PlanError("; ".join(problems), hint="change the degrees or the model/batch sizes")
 
     # ---- sizes ---------------------------------------------------------------------------
+    @property
+    def seq_multiple(self) -> int:
+        """What every row's length must divide by: cp shards, times tp under sequence parallelism.
+        The loader right-pads rows to it with masked labels."""
+        return self.cp * (self.tp if self.sequence_parallel else 1)
+
     @property
     def dp(self) -> int:
         return self.dp_replicate * self.dp_shard
