@@ -228,6 +228,8 @@ def _probe_trainer_cls():
         def __init__(self, **kwargs):
             import torch
 
+            from hyperpar import host_allocator
+
             super().__init__(**kwargs)
             PROBES[str(kwargs["run_dir"])] = {
                 "threads": torch.get_num_threads(),
@@ -235,6 +237,7 @@ def _probe_trainer_cls():
                 # fully_shard renames a wrapped class FSDP<name>
                 "checkpointed_blocks": sum("CheckpointWrapper" in type(m).__name__ for m in self.model.modules()),
                 "peak_flops": self.peak_flops,
+                "host_allocator": host_allocator.applied(),
             }
 
     return ProbeTrainer

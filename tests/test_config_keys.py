@@ -366,6 +366,7 @@ EFFECTS: dict[str, Effect] = {
     "launch.max_restarts": Effect("launcher", ["launch.max_restarts=3"]),
     "launch.monitor_interval": Effect("launcher", ["launch.monitor_interval=1.5"]),
     "launch.threads_per_rank": Effect("run", ["launch.threads_per_rank=2"], view=probe("threads")),
+    "launch.host_allocator": Effect("run", ["launch.host_allocator=system"], view=probe("host_allocator")),
     # parity: read by the report callback of +experiment=parity (tests/test_parity_report.py); refused without it
     "parity.enabled": refused("parity", ["parity.enabled=true"], "parity.enabled"),
     "parity.tolerance_mean": refused("parity", ["parity.tolerance_mean=0.1"], "parity.tolerance_mean"),

@@ -141,6 +141,8 @@ class LaunchConfig:
     max_restarts: int = 0
     monitor_interval: float = 0.2
     threads_per_rank: int = 0  # 0: cores / local ranks
+    # CPU malloc policy of the training processes: retain (reuse freed step buffers) | system
+    host_allocator: str = "retain"
 
 
 @dataclass
@@ -235,6 +237,7 @@ _VALUE_RULES: list[tuple[str, Any, str]] = [
     ("launch.max_restarts", lambda v: v >= 0, ">= 0"),
     ("launch.monitor_interval", lambda v: _finite(v) and v > 0, "a finite number > 0 (seconds)"),
     ("launch.threads_per_rank", lambda v: v >= 0, ">= 0 (0: cores / local ranks)"),
+    ("launch.host_allocator", lambda v: v in ("retain", "system"), "one of retain, system"),
     ("metrics.peak_tflops", lambda v: v is None or (_finite(v) and v > 0), "> 0 or null"),
     ("parity.tolerance_mean", lambda v: _finite(v) and v > 0, "a finite number > 0"),
     ("parity.tolerance_step", lambda v: v is None or (_finite(v) and v > 0), "> 0 or null"),

@@ -78,6 +78,7 @@ def worker_main(cfg: DictConfig, run_dir: str) -> dict[str, Any]:
     from hyperpar.data.pad import pad_token_id
     from hyperpar.data.registry import DataContext
     from hyperpar.device import resolve_device, set_deterministic
+    from hyperpar.host_allocator import tune_host_allocator
     from hyperpar.distributed.context_parallel import SequenceShard
     from hyperpar.distributed.materialize import materialize
     from hyperpar.distributed.tensor_parallel import use_loss_parallel
@@ -90,6 +91,8 @@ def worker_main(cfg: DictConfig, run_dir: str) -> dict[str, Any]:
     torch.set_num_threads(_threads_for(local_world, cfg.launch.threads_per_rank))
     set_deterministic(bool(cfg.train.deterministic))  # before the first kernel on the device
     dev = resolve_device(cfg.device)
+    if dev.type == "cpu":  # on CPU the step's activations and gradients are host memory
+        tune_host_allocator(cfg.launch.host_allocator)
     dev.set_device(local_rank)
     device = dev.device(local_rank)
     _init_process_group(dev.backend, rank, world)

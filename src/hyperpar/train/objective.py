@@ -34,17 +34,18 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from hyperpar.models.layers.moe import load_balancing_loss
+from hyperpar.train.cross_entropy import IGNORE_INDEX, cross_entropy_sum
 from hyperpar.models.output import ModelOutput
 
 if TYPE_CHECKING:
     from hyperpar.distributed.context_parallel import SequenceShard
 
-IGNORE_INDEX = -100
-
-
 def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Σ per-token cross-entropy in fp32 over pre-shifted ``labels`` (-100 ignored). ``logits`` may
-    be a vocab-sharded DTensor (inside ``loss_parallel``); the result is a plain scalar."""
+    be a vocab-sharded DTensor (inside ``loss_parallel``: PyTorch's parallel cross-entropy); plain
+    logits take the chunked kernel of :mod:`hyperpar.train.cross_entropy`. A plain scalar."""
+    if not isinstance(logits, DTensor):
+        return cross_entropy_sum(logits.flatten(0, -2), labels.flatten())
     loss = F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
     return loss.to_local() if isinstance(loss, DTensor) else loss
 

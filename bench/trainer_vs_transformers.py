@@ -1,0 +1,184 @@
+"""What a user runs against what transformers runs: ``python -m hyperpar`` (the whole trainer: data,
+objective, clipping, AdamW, metrics) on a Hugging Face checkpoint against transformers' own
+training step (forward with labels, backward, AdamW) on the same checkpoint, one process each.
+
+The checkpoint is built here (random weights, ``save_pretrained``) from PERF_NOTES' geometries.
+Rounds alternate the two sides (order swapped every round) so background load hits both alike;
+every side's first step of a round is warm-up. Prints the machine's fp32 / bf16 matmul peaks, each
+side's median step time, tokens/s, fraction of the matmul peak reached in model FLOP/s, peak RSS
+per step, and the ratio transformers / ours (> 1: ours is faster). With ``--fsdp`` it also times
+``fsdp2`` (2 processes x threads/2) against ``single`` (same global batch): the FSDP overhead.
+
+    python bench/trainer_vs_transformers.py --config dense_small --dtype fp32
+    python bench/trainer_vs_transformers.py --config dense_small --dtype bf16
+    python bench/trainer_vs_transformers.py --config moe_small --dtype fp32
+    python bench/trainer_vs_transformers.py --config dense_small --fsdp --no-transformers
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from train_throughput import COMMON, CONFIGS, is_moe  # noqa: E402  (the geometries, one place)
+
+
+def matmul_peak(dtype: torch.dtype, threads: int, n: int = 2048, reps: int = 5) -> float:
+    """Best GFLOP/s of an n x n matmul on ``threads`` threads."""
+    torch.set_num_threads(threads)
+    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+    a @ b
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / best / 1e9
+
+
+def save_checkpoint(config: str, out: Path) -> None:
+    if is_moe(config):
+        from transformers import Qwen3_5MoeForCausalLM as HFModel
+        from transformers import Qwen3_5MoeTextConfig as HFConfig
+        model_type = "qwen3_5_moe_text"
+    else:
+        from transformers import Qwen3_5ForCausalLM as HFModel
+        from transformers import Qwen3_5TextConfig as HFConfig
+        model_type = "qwen3_5_text"
+    torch.manual_seed(0)
+    HFModel(HFConfig(**{**COMMON, "model_type": model_type, **CONFIGS[config]})).save_pretrained(out)
+
+
+# The transformers side, run in its own process (threads fixed before torch starts its pool).
+THEIRS = r'''
+import json, sys, time, torch
+from hyperpar.device import _cpu_peak
+ckpt, seq, batch, steps, dtype, moe, threads = sys.argv[1], *map(int, sys.argv[2:5]), sys.argv[5], sys.argv[6] == "1", int(sys.argv[7])
+torch.set_num_threads(threads)
+from transformers import AutoModelForCausalLM
+model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16 if dtype == "bf16" else torch.float32).train()
+opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+gen = torch.Generator().manual_seed(0)
+extra = {"output_router_logits": True} if moe else {}
+for step in range(steps):
+    ids = torch.randint(0, model.config.vocab_size, (batch, seq), generator=gen)
+    _cpu_peak.reset()
+    t0 = time.perf_counter()
+    loss = model(input_ids=ids, labels=ids, use_cache=False, **extra).loss
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    loss = loss.item()
+    print(json.dumps({"step": step + 1, "step_time_s": time.perf_counter() - t0, "peak_mem_mb": _cpu_peak.peak_mb(), "loss": loss}), flush=True)
+'''
+
+
+def run_theirs(ckpt: Path, a, steps: int) -> list[dict]:
+    res = subprocess.run([sys.executable, "-c", THEIRS, str(ckpt), str(a.seq), str(a.batch), str(steps), a.dtype,
+                          "1" if is_moe(a.config) else "0", str(a.threads)], capture_output=True, text=True)
+    if res.returncode:
+        raise SystemExit(f"transformers step failed:\n{res.stderr[-3000:]}")
+    return [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
+
+
+def run_ours(ckpt: Path, a, steps: int, layout: str, work: Path, extra: list[str]) -> tuple[list[dict], float]:
+    """Per-step records of ``python -m hyperpar`` and the time from its start to its first step."""
+    run_dir = Path(tempfile.mkdtemp(dir=work))
+    model = "qwen3_5_moe" if is_moe(a.config) else "qwen3_5"
+    world = 2 if layout == "fsdp2" else 1
+    args = [f"model={model}", f"model.hf_path={ckpt}", f"parallel={layout}", f"train.steps={steps}",
+            f"train.seq_len={a.seq}", f"train.global_batch_size={a.batch}",
+            f"train.micro_batch_size={a.batch // world}", f"launch.threads_per_rank={a.threads // world}",
+            "train.max_grad_norm=1.0", "checkpoint=none", f"hydra.run.dir={run_dir}",
+            *(["train.mixed_precision.param_dtype=bfloat16"] if a.dtype == "bf16" else []), *extra]
+    env = {**os.environ, "HYPERPAR_NO_BAR": "1"}
+    t0 = time.perf_counter()
+    res = subprocess.run([sys.executable, "-m", "hyperpar", *args], capture_output=True, text=True, env=env)
+    wall = time.perf_counter() - t0
+    if res.returncode:
+        raise SystemExit(f"hyperpar {layout} failed:\n{res.stderr[-3000:]}")
+    recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return recs, wall - sum(r["step_time_s"] for r in recs)
+
+
+def summary(name: str, recs: list[list[dict]], flops_per_step: float, peak: float) -> dict:
+    times = [r["step_time_s"] for run in recs for r in run[1:]]  # each run's first step is warm-up
+    mem = [r.get("peak_mem_mb") or 0.0 for run in recs for r in run[1:]]
+    med = statistics.median(times)
+    row = {"median_s": med, "min_s": min(times), "tokens_per_s": None, "peak_frac": flops_per_step / med / 1e9 / peak,
+           "peak_mem_mb": max(mem)}
+    print(f"{name:>14}: median step {med:.3f} s (min {min(times):.3f}, {len(times)} steps), "
+          f"{row['peak_frac']:.2f} of the matmul peak, peak RSS/step {row['peak_mem_mb']:.0f} MB")
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", choices=sorted(CONFIGS), default="dense_small")
+    ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    ap.add_argument("--seq", type=int, default=1024)
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=4, help="steps per run (the first is warm-up)")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--fsdp", action="store_true", help="also time fsdp2 (threads/2 each) against single")
+    ap.add_argument("--no-transformers", action="store_true")
+    ap.add_argument("--ours", nargs="*", default=[], help="extra overrides for our runs (e.g. train.compile=true)")
+    a = ap.parse_args()
+
+    peaks = {"fp32": matmul_peak(torch.float32, a.threads), "bf16": matmul_peak(torch.bfloat16, a.threads)}
+    print(f"machine: {os.cpu_count()} cores, {a.threads} threads; matmul peak fp32 {peaks['fp32']:.0f} GFLOP/s, "
+          f"bf16 {peaks['bf16']:.0f} GFLOP/s")
+    work = Path(tempfile.mkdtemp(prefix="hyperpar-bench-"))
+    ckpt = work / "ckpt"
+    save_checkpoint(a.config, ckpt)
+
+    from hyperpar.models.qwen3_5 import Qwen3_5Args
+    from hyperpar.models.qwen3_5_moe import Qwen3_5MoeArgs
+    args = (Qwen3_5MoeArgs if is_moe(a.config) else Qwen3_5Args).from_hf_config({**COMMON, **CONFIGS[a.config]})
+    with torch.device("meta"):
+        from hyperpar.models.qwen3_5 import Qwen3_5ForCausalLM
+        from hyperpar.models.qwen3_5_moe import Qwen3_5MoeForCausalLM
+        meta = (Qwen3_5MoeForCausalLM if is_moe(a.config) else Qwen3_5ForCausalLM)(args)
+    flops_per_step = meta.flops_per_token(a.seq) * a.seq * a.batch
+    print(f"config {a.config}, {a.dtype}, seq {a.seq} x batch {a.batch}, {flops_per_step / 1e12:.2f} TFLOP per step "
+          f"(model FLOPs), {a.rounds} rounds x {a.steps} steps per side")
+
+    sides = {"ours": lambda: run_ours(ckpt, a, a.steps, "single", work, a.ours)}
+    if not a.no_transformers:
+        sides["transformers"] = lambda: (run_theirs(ckpt, a, a.steps), None)
+    if a.fsdp:
+        sides["ours fsdp2"] = lambda: run_ours(ckpt, a, a.steps, "fsdp2", work, a.ours)
+    recs: dict[str, list] = {k: [] for k in sides}
+    startup: dict[str, list] = {k: [] for k in sides}
+    order = list(sides)
+    for r in range(a.rounds):
+        for name in order if r % 2 == 0 else order[::-1]:
+            run, start = sides[name]()
+            recs[name].append(run)
+            if start is not None:
+                startup[name].append(start)
+    rows = {k: summary(k, v, flops_per_step, peaks[a.dtype]) for k, v in recs.items()}
+    for k, v in startup.items():
+        if v:
+            print(f"{k:>14}: launch to first step {statistics.median(v):.1f} s (process start, model load, first batch)")
+    if "transformers" in rows:
+        print(f"ratio transformers / ours ({a.dtype}, {a.config}): {rows['transformers']['median_s'] / rows['ours']['median_s']:.2f}x; "
+              f"peak RSS/step ours {rows['ours']['peak_mem_mb']:.0f} MB vs transformers {rows['transformers']['peak_mem_mb']:.0f} MB")
+    if "ours fsdp2" in rows:
+        print(f"fsdp2 / single step time: {rows['ours fsdp2']['median_s'] / rows['ours']['median_s']:.3f}x")
+
+
+if __name__ == "__main__":
+    main()
