@@ -31,6 +31,7 @@ class TrainConfig:
     max_grad_norm: float = 1.0  # <= 0 disables clipping
     mixed_precision: MixedPrecisionConfig = field(default_factory=MixedPrecisionConfig)
     activation_checkpoint: str = "none"  # none | full | selective
+    compile: bool = False  # torch.compile per decoder block (kernels eager); data-parallel layouts
     loss_parallel: Optional[bool] = None  # vocab-sharded cross-entropy under tp; None: on when tp > 1
     log_every: int = 1  # console / progress-bar line every N steps; metrics.jsonl still gets every step
     # torch.use_deterministic_algorithms (warn-only) + CUBLAS_WORKSPACE_CONFIG + no cuDNN autotuning:

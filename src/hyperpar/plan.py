@@ -33,6 +33,7 @@ class Plan:
     tp_setup: str = ""
     pp_setup: str = ""  # stages, layers per stage, schedule, micro-batches (pp > 1)
     row_padding: str = ""  # seq_len padded to the sequence split (cp, tp under SP)
+    compile: bool = False
 
     @property
     def ok(self) -> bool:
@@ -52,6 +53,8 @@ class Plan:
             *([f"tensor par  {self.tp_setup}"] if p.tp > 1 else []),
             *([f"pipeline    {self.pp_setup}"] if self.pp_setup else []),
             *([f"rows        {self.row_padding}"] if self.row_padding else []),
+            *(["compile     torch.compile per decoder block (attention core, delta rule, MoE block eager)"]
+              if self.compile else []),
             f"memory/rank params {self.mem_params_mb:.1f} MB + grads {self.mem_grads_mb:.1f} MB + optimizer {self.mem_optim_mb:.1f} MB"
             f" + gathered block {self.mem_gathered_mb:.1f} MB = {total_mem:.1f} MB (activations not included)",
             f"batch       grad accumulation {self.grad_accum} micro-batches per step",
@@ -143,10 +146,12 @@ def make_plan(cfg: DictConfig, *, strict: bool = True) -> Plan:
     check_data(cfg.data, cfg.model.default_data or builder.spec.default_data)
     t = cfg.train
     problems: list[str] = []
+    from hyperpar.distributed.compile import check_compile
     from hyperpar.distributed.pipeline import PipelineJob
 
     pp_job: list[PipelineJob | None] = []
-    for check in (pdims.check_supported, lambda: pp_job.append(PipelineJob.check(cfg, pdims, cfg.model.name, builder.args)),
+    for check in (pdims.check_supported, lambda: check_compile(pdims, t),
+                  lambda: pp_job.append(PipelineJob.check(cfg, pdims, cfg.model.name, builder.args)),
                   lambda: pdims.check_model(builder.geometry(), global_batch_size=t.global_batch_size,
                                             micro_batch_size=t.micro_batch_size)):
         try:
@@ -176,5 +181,5 @@ def make_plan(cfg: DictConfig, *, strict: bool = True) -> Plan:
         mem_optim_mb=2 * per_rank * master / mb, mem_gathered_mb=2 * largest * compute / mb,
         grad_accum=pdims.grad_accum_steps(t.global_batch_size, t.micro_batch_size), problems=problems,
         pp_setup=pp_job[0].describe() if pp_job and pp_job[0] else "",
-        row_padding=_row_padding(pdims, t.seq_len),
+        row_padding=_row_padding(pdims, t.seq_len), compile=bool(t.compile),
     )

@@ -1,15 +1,20 @@
-"""The data-parallel + activation-checkpoint tail of every model's parallelize(): AC per block, then FSDP."""
+"""The data-parallel + activation-checkpoint tail of every model's parallelize(): AC per block, compile
+(``train.compile``), then FSDP."""
 
 from __future__ import annotations
 
+import logging
 from typing import Sequence
 
 from torch import nn
 
 from hyperpar.config import dtype_of
 from hyperpar.distributed.activation_checkpoint import apply_activation_checkpoint
+from hyperpar.distributed.compile import check_compile, compile_blocks
 from hyperpar.distributed.expert_parallel import expert_parallel_modules
 from hyperpar.distributed.fsdp import apply_fsdp
+
+log = logging.getLogger("hyperpar")
 
 
 def apply_ac_and_dp(
@@ -28,6 +33,10 @@ def apply_ac_and_dp(
     groups = [*extra_blocks, layers]
     for group in groups:
         apply_activation_checkpoint(group, train_cfg.activation_checkpoint)
+    if train_cfg.compile:
+        check_compile(parallel_dims, train_cfg)
+        n = compile_blocks(layers.values())  # the text decoder's blocks (vision blocks stay eager)
+        log.info("train.compile: %d decoder blocks compiled (attention core, delta rule, MoE block eager)", n)
     mp = train_cfg.mixed_precision
     experts = list(expert_parallel_modules(model)) if parallel_dims.ep > 1 else []
     apply_fsdp(

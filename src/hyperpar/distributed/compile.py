@@ -1,0 +1,57 @@
+"""``train.compile``: ``torch.compile`` per decoder block, the sequence kernels left eager.
+
+Each block (inside its activation-checkpoint wrapper, so recomputation runs the compiled code too)
+is compiled in place (``module.compile()``: parameter names and checkpoint keys do not change).
+The kernels at the model's seams stay eager: the attention core and the gated delta rule (they
+read packed-document layouts whose lengths are Python values, which would recompile per batch; the
+chunked delta rule unrolls into a long graph) and the MoE block (data-dependent expert counts,
+router statistics published to the objective). What compiles is the rest of the block: norms,
+projections, gating, the SwiGLU MLP, residual adds. Measured on dense_small (CPU, 2 threads): see
+docs/guide/performance.md.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from hyperpar.errors import PlanError
+
+_UNSUPPORTED_AXES = ("tp", "cp", "ep", "pp")
+
+
+def check_compile(parallel_dims, train_cfg) -> None:
+    """The layouts ``train.compile`` is tested with: data parallel (single/DDP/FSDP/HSDP), AC none or full."""
+    if not train_cfg.compile:
+        return
+    for axis in _UNSUPPORTED_AXES:
+        if getattr(parallel_dims, axis) > 1:
+            raise PlanError(f"train.compile with {axis} not supported yet", hint=f"set train.compile=false or parallel.{axis}=1")
+    if train_cfg.activation_checkpoint == "selective":
+        raise PlanError("train.compile with activation_checkpoint=selective not supported "
+                        "(the save policy sees aten ops, compiled blocks run fused kernels)",
+                        hint="use activation_checkpoint=full or none with train.compile=true")
+
+
+def _eager_kernel_types() -> tuple[type, ...]:
+    from hyperpar.models.layers.attention import AttentionCore
+    from hyperpar.models.layers.gated_deltanet import GatedDeltaRule
+    from hyperpar.models.layers.moe import SparseMoeBlock
+
+    return AttentionCore, GatedDeltaRule, SparseMoeBlock
+
+
+def compile_blocks(blocks: Iterable[nn.Module]) -> int:
+    """Compile every block in place, its kernels excluded; returns how many were compiled."""
+    kernels = _eager_kernel_types()
+    n = 0
+    for block in blocks:
+        inner = getattr(block, "_checkpoint_wrapped_module", block)
+        for m in inner.modules():
+            if isinstance(m, kernels):
+                m.forward = torch.compiler.disable(m.forward)
+        inner.compile()
+        n += 1
+    return n
