@@ -75,3 +75,21 @@ def test_same_seed_same_losses_and_seed_matters(tmp_path):
     c = _run(tmp_path, "c", ["train.steps=2", "train.seed=7"])
     assert a == b and a != c
     assert all(math.isfinite(v) for v in a.values())
+
+
+def test_bf16_fsdp2_with_an_idle_mtp_head_and_grad_accumulation_trains(tmp_path):
+    """An FSDP unit that never runs (the MTP head at weight 0) under bf16 and 2 micro-batches per rank:
+    FSDP's end-of-backward callback used to fail on its never-gathered parameters."""
+    from helpers import cli_small
+
+    res = cli_small(tmp_path / "run", ["model=qwen3_5_moe", "model.mtp_loss_weight=0", "parallel=fsdp2",
+                                       "train.mixed_precision.param_dtype=bfloat16", "train.global_batch_size=8",
+                                       "train.micro_batch_size=2"], steps=2)
+    assert res.returncode == 0, res.stderr[-3000:]
+
+
+def test_mtp_on_one_token_rows_is_one_line(tmp_path):
+    from helpers import cli_small, one_error_line
+
+    res = cli_small(tmp_path / "run", ["model=qwen3_5_moe", "model.mtp_loss_weight=0.3", "train.seq_len=1"], steps=1)
+    assert res.returncode == 2 and "needs train.seq_len >= 2" in one_error_line(res), res.stderr[-2000:]

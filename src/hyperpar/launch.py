@@ -80,6 +80,7 @@ def worker_main(cfg: DictConfig, run_dir: str) -> dict[str, Any]:
     from hyperpar.device import resolve_device, set_deterministic
     from hyperpar.host_allocator import tune_host_allocator
     from hyperpar.distributed.context_parallel import SequenceShard
+    from hyperpar.distributed.fsdp import prime_unsharded_params
     from hyperpar.distributed.materialize import materialize
     from hyperpar.distributed.tensor_parallel import use_loss_parallel
     from hyperpar.train.objective import Objective
@@ -115,6 +116,7 @@ def worker_main(cfg: DictConfig, run_dir: str) -> dict[str, Any]:
         load_report: dict = {}
         for part in parts:
             materialize(part, device, seed=cfg.train.seed, source=builder.weight_source(), report=load_report)
+            prime_unsharded_params(part)
         if builder.load_weights:
             mb = 2**20
             log.info("loaded %s: this rank holds %.1f MB of parameters, read %.1f MB (largest read %.1f MB)",

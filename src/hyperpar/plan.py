@@ -128,11 +128,16 @@ def check_pp_schedule(name: str) -> str:
     raise ConfigError(f"parallel.pp_schedule='{name}' is not a pipeline schedule", hint=f"use one of {', '.join(PP_SCHEDULES)}")
 
 
-def check_mtp(weight: float, model_name: str, args: object) -> None:
-    """model.mtp_loss_weight > 0 needs a family with an MTP module (its args carry the weight)."""
+def check_mtp(weight: float, model_name: str, args: object, seq_len: int = 2) -> None:
+    """model.mtp_loss_weight > 0 needs a family with an MTP module (its args carry the weight) and
+    rows of at least 2 tokens (MTP row t reads tokens t and t + 1)."""
     if weight > 0 and not hasattr(args, "mtp_loss_weight"):
         raise ConfigError(f"model.mtp_loss_weight={weight} but model={model_name} has no MTP module",
                           hint="the Qwen3.5-MoE families have one: qwen3_5_moe, qwen3_5_moe_vl; else set model.mtp_loss_weight=0")
+    if weight > 0 and seq_len < 2:
+        raise ConfigError(f"model.mtp_loss_weight={weight} needs train.seq_len >= 2, got {seq_len} "
+                          "(multi-token prediction reads each token and the next)",
+                          hint="raise train.seq_len or set model.mtp_loss_weight=0")
 
 
 def make_plan(cfg: DictConfig, *, strict: bool = True) -> Plan:
@@ -142,7 +147,7 @@ def make_plan(cfg: DictConfig, *, strict: bool = True) -> Plan:
     pdims: ParallelDims = instantiate(cfg.parallel)
     check_pp_schedule(cfg.parallel.pp_schedule)
     builder = instantiate(cfg.model)
-    check_mtp(float(cfg.model.mtp_loss_weight), cfg.model.name, builder.args)
+    check_mtp(float(cfg.model.mtp_loss_weight), cfg.model.name, builder.args, int(cfg.train.seq_len))
     check_data(cfg.data, cfg.model.default_data or builder.spec.default_data)
     t = cfg.train
     problems: list[str] = []

@@ -49,3 +49,19 @@ def apply_fsdp(
             # Gloo (CPU) has no PREMUL_SUM; plain SUM is also exact for a divide factor of 1.
             module.set_force_sum_reduction_for_comms(True)
     return model
+
+
+def prime_unsharded_params(model: nn.Module) -> None:
+    """Gather and free every FSDP unit once, after the weights are materialised.
+
+    FSDP creates a unit's unsharded parameters at its first all-gather. A unit that has not run yet
+    (the MTP head at ``mtp_loss_weight=0``, a vision tower before the first image) but whose
+    gradient hook still fires at the end of a non-syncing micro-batch's backward (gradient
+    accumulation under a mixed-precision policy) then fails with "'FSDPParam' object has no
+    attribute '_unsharded_param'". One gather per unit at start-up makes every unit look like one
+    that ran; the values are the sharded ones, nothing changes numerically.
+    """
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.unshard()
+            module.reshard()
