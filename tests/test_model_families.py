@@ -31,8 +31,13 @@ def test_parity_sweep_moe_families(tmp_path, model):
     assert first["aux_loss"] > 0
 
 
-@pytest.mark.parametrize("model", FAMILIES)
-@pytest.mark.parametrize("layout", ["single", "fsdp2"])
+# AC wraps every family's blocks the same way: every family on one process, one (MoE) under FSDP in the
+# default run; the other FSDP variants under the `full` marker.
+@pytest.mark.parametrize(("model", "layout"), [
+    *((m, "single") for m in FAMILIES),
+    ("qwen3_5_moe", "fsdp2"),
+    *(pytest.param(m, "fsdp2", marks=pytest.mark.full) for m in FAMILIES if m != "qwen3_5_moe"),
+])
 def test_activation_checkpoint_equals_none(tmp_path, model, layout):
     losses = {}
     for mode in ("none", "full", "selective"):
