@@ -13,6 +13,7 @@ from typing import Any, Optional
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from hyperpar.errors import ConfigError
+from hyperpar.host_allocator import MODES as HOST_ALLOCATOR_MODES
 
 
 @dataclass
@@ -238,7 +239,7 @@ _VALUE_RULES: list[tuple[str, Any, str]] = [
     ("launch.max_restarts", lambda v: v >= 0, ">= 0"),
     ("launch.monitor_interval", lambda v: _finite(v) and v > 0, "a finite number > 0 (seconds)"),
     ("launch.threads_per_rank", lambda v: v >= 0, ">= 0 (0: cores / local ranks)"),
-    ("launch.host_allocator", lambda v: v in ("retain", "system"), "one of retain, system"),
+    ("launch.host_allocator", lambda v: v in HOST_ALLOCATOR_MODES, f"one of {', '.join(HOST_ALLOCATOR_MODES)}"),
     ("metrics.peak_tflops", lambda v: v is None or (_finite(v) and v > 0), "> 0 or null"),
     ("parity.tolerance_mean", lambda v: _finite(v) and v > 0, "a finite number > 0"),
     ("parity.tolerance_step", lambda v: v is None or (_finite(v) and v > 0), "> 0 or null"),

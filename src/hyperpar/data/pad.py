@@ -30,9 +30,25 @@ def padded_length(seq_len: int, multiple: int) -> int:
     return -(-seq_len // multiple) * multiple
 
 
+def extend_tokens(tensors: dict[str, torch.Tensor], extra: int, pad_id: int) -> dict[str, torch.Tensor]:
+    """Per-token tensors (keys of ``_FILL`` and ``position_ids``, tokens on the last dim, any leading
+    dims: one sample's (S,) or a batch's (B, S), positions also (C, S) / (C, B, S)) with ``extra``
+    pads appended: the fill value of each key, positions counting on past each row's last one."""
+    out = {}
+    for key, t in tensors.items():
+        if key == "position_ids":  # never a target: only has to stay monotonic for causal kernels
+            tail = t.amax(dim=-1, keepdim=True) + 1 + torch.arange(extra, device=t.device)
+            out[key] = torch.cat([t, tail.to(t.dtype)], dim=-1)
+        else:
+            fill = pad_id if _FILL[key] is None else _FILL[key]
+            out[key] = torch.cat([t, torch.full((*t.shape[:-1], extra), fill, dtype=t.dtype, device=t.device)], dim=-1)
+    return out
+
+
 def pad_to_multiple(batch: dict[str, torch.Tensor], multiple: int, pad_id: int = 0) -> dict[str, torch.Tensor]:
     """``batch`` with its (B, S) rows (and (B, S) / (C, B, S) positions) right-padded to a multiple of
-    ``multiple``; an ``attention_mask`` is added (1 on the real tokens) when the batch has none."""
+    ``multiple``; an ``attention_mask`` is added (1 on the real tokens) when the batch has none.
+    Other entries (vision patches and grids) are passed on as they are."""
     ids = batch["input_ids"]
     B, S = ids.shape
     extra = padded_length(S, multiple) - S
@@ -41,13 +57,5 @@ def pad_to_multiple(batch: dict[str, torch.Tensor], multiple: int, pad_id: int =
     out = dict(batch)
     if "attention_mask" not in out:
         out["attention_mask"] = torch.ones(B, S, dtype=torch.long, device=ids.device)
-    for key, fill in _FILL.items():
-        if key in out:
-            t = out[key]
-            value = pad_id if fill is None else fill
-            out[key] = torch.cat([t, torch.full((B, extra), value, dtype=t.dtype, device=t.device)], dim=1)
-    pos = out.get("position_ids")
-    if pos is not None:  # (B, S) or (C, B, S): keep counting past each row's last position
-        tail = pos.amax(dim=-1, keepdim=True) + 1 + torch.arange(extra, device=pos.device)
-        out["position_ids"] = torch.cat([pos, tail.to(pos.dtype)], dim=-1)
+    out.update(extend_tokens({k: out[k] for k in (*_FILL, "position_ids") if k in out}, extra, pad_id))
     return out

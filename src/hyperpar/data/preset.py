@@ -50,6 +50,7 @@ from typing import Any
 import torch
 
 from hyperpar.data.hf import IGNORE_INDEX, EpochOrder, resolve_path
+from hyperpar.data.pad import extend_tokens
 from hyperpar.data.registry import DataContext, register_dataset
 from hyperpar.data.vl_collate import VISION_KEYS, collate_vl
 from hyperpar.errors import DataError
@@ -275,16 +276,7 @@ class _Shard:
         if s > seq_len:
             out = {k: v[..., :seq_len] for k, v in out.items()}
         elif s < seq_len:
-            extra = seq_len - s
-            fill = {"input_ids": pad_id, "labels": IGNORE_INDEX, "mm_token_type_ids": 0, "attention_mask": 0}
-            padded = {}
-            for k, v in out.items():
-                if k == "position_ids":  # keep counting past the last position: never a target anyway
-                    tail = v.amax(dim=-1, keepdim=True) + 1 + torch.arange(extra)
-                    padded[k] = torch.cat([v, tail.expand(*v.shape[:-1], extra)], dim=-1)
-                else:
-                    padded[k] = torch.cat([v, torch.full((extra,), fill[k], dtype=v.dtype)])
-            out = padded
+            out = extend_tokens(out, seq_len - s, pad_id)
         out = {k: v.clone() for k, v in out.items()}
         for (pixels, grid), what in zip(VISION_KEYS, ("image", "video")):
             if grid not in self.vision:
