@@ -110,7 +110,6 @@ def test_stage_statistics_add_up_to_the_whole_model():
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["parallel.world_size=4", "parallel.pp=2", "parallel.tp=2"], "pp with tp not supported yet"),
     (["parallel=pp2", "model=qwen3_vl_moe"], "pp for qwen3_vl_moe not supported yet"),
     (["parallel=pp2", "checkpoint=default"], "checkpoints and HF export under pp not supported yet"),
     (["parallel=pp2", "train.pp_microbatches=3"], "train.pp_microbatches=3 must divide the 4 rows"),
@@ -178,6 +177,22 @@ def test_interleaved_and_uneven_split_match_single(tmp_path):
     check_parity(single, run(tmp_path / "vpp", ["parallel=pp2_vpp2"]), "qwen3_5 pp2 x vpp2 interleaved")
     check_parity(single, run(tmp_path / "uneven", ["parallel=pp2_1f1b", "parallel.pp_layers=[3,1]",
                                                    "train.pp_microbatches=2"]), "qwen3_5 pp2 layers 3+1, 2 micro-batches")
+
+
+@pytest.mark.parametrize("model, layout", [
+    pytest.param(["model=qwen3_5"], "tp2_pp2", id="qwen3_5-tp2_pp2"),
+    pytest.param(["model=qwen3_5_moe", "model.mtp_loss_weight=0.3"], "cp2_pp2", id="qwen3_5_moe_mtp-cp2_pp2"),
+    pytest.param(["model=qwen3_5_moe"], "ep2_pp2", id="qwen3_5_moe-ep2_pp2"),
+])
+def test_pp2_composes_with_tp_cp_ep(tmp_path, model, layout):
+    """4 processes, two ranks per stage: under tp + SP the stages exchange each rank's sequence
+    shard of the stream; under cp each rank's half of the sequence (positions whole, so every
+    stage's rotary tables and documents are the full row's); under ep the experts of each stage's
+    MoE layers are split over the stage's two ranks. Loss, aux and MTP loss per step as one process."""
+    single = run(tmp_path / "single", [*model, "parallel=single"])
+    got = run(tmp_path / layout, [*model, f"parallel={layout}"])
+    keys = ("loss", "grad_norm") + (("aux_loss",) if "moe" in model[0] else ()) + (("mtp_loss",) if len(model) > 1 else ())
+    check_parity(single, got, f"{model[0]} {layout}", keys=keys)
 
 
 @pytest.mark.slow

@@ -229,7 +229,9 @@ class _SequenceSharding:
                 kwargs = {**kwargs, "position_ids": pos}
             else:
                 rest[0] = pos
-        return (self.shard.take(x), *rest), kwargs
+        # a later pipeline stage receives hidden states that are already this rank's shard
+        whole = x.shape[1] == pos.shape[-1]
+        return (self.shard.take(x) if whole else x, *rest), kwargs
 
     def layer_input(self, module: nn.Module, args: tuple) -> tuple:
         """Decoder layer entry: whole-row cos/sin and token mask cut to the stream's shard."""

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor, Shard
 
 from hyperpar.errors import PlanError
 from hyperpar.models.layers.moe import RouterStats, record_router_stats
@@ -33,7 +34,6 @@ log = logging.getLogger("hyperpar")
 PP_FAMILIES = ("qwen3_5", "qwen3_5_moe")
 # What ``PipelineJob.check`` refuses today, as the support matrix page lists it.
 NOT_BUILT = (
-    ("`parallel.pp` > 1 with `tp`, `cp` or `ep` > 1", 'not built yet: "pp with tp not supported yet"'),
     ("`parallel.pp` > 1 for the VL families", 'not built yet: "pp for qwen3_vl_moe not supported yet"'),
     ("checkpoints / HF export under `parallel.pp` > 1", 'not built yet: "checkpoints and HF export under pp not supported yet"'),
     ("`parallel.pp_schedule=zero_bubble`", 'not built yet: "pp_schedule=zero_bubble not supported yet"'),
@@ -105,12 +105,16 @@ class StageForward:
 
     pp_num_experts: int = 0  # > 0: a MoE model, statistics travel with the hidden states
     pp_is_last: bool = False
+    pp_stream_mesh = None  # the tp mesh under sequence parallelism: hidden states travel as Shard(1) pieces
 
     def forward(self, x: torch.Tensor, stats: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None, token_ids: torch.Tensor | None = None):
         """``token_ids``: the micro-batch's tokens, read by the last stage's MTP module only."""
         E = self.pp_num_experts
         stats = self.__dict__.pop("_pp_stats_fp32", stats)  # see keep_stats_fp32
+        if self.pp_stream_mesh is not None and x.is_floating_point() and not isinstance(x, DTensor):
+            # received hidden states are this rank's sequence shard of the SP residual stream
+            x = DTensor.from_local(x, self.pp_stream_mesh, [Shard(1)], run_check=False)
         if self.pp_is_last:
             if getattr(self, "mtp_active", False):
                 out = self._forward_with_mtp(x, position_ids, attention_mask, token_ids)
@@ -123,6 +127,8 @@ class StageForward:
             return (out.logits, total) if out.mtp_logits is None else (out.logits, total, out.mtp_logits)
         with record_router_stats() as sink:
             h = self.model(x, position_ids, attention_mask)  # the text stack: what forward runs without a head
+        if isinstance(h, DTensor):  # stages exchange plain tensors: the local shard of the stream
+            h = h.to_local()
         if not E:
             return h
         own = pack_stats(RouterStats.pool(sink) if sink else None, E, h.device)
@@ -263,9 +269,6 @@ class PipelineJob:
         schedule = check_pp_schedule(cfg.parallel.pp_schedule)
         if model_name not in PP_FAMILIES:
             raise PlanError(f"pp for {model_name} not supported yet", hint=f"pipeline parallel trains {', '.join(PP_FAMILIES)}")
-        for axis in ("tp", "cp", "ep"):
-            if getattr(pdims, axis) > 1:
-                raise PlanError(f"pp with {axis} not supported yet", hint=f"set parallel.{axis}=1 or parallel.pp=1")
         ck = cfg.checkpoint
         if ck.enabled or ck.load_path or ck.export_hf_at_end:
             raise PlanError("checkpoints and HF export under pp not supported yet", hint="set checkpoint=none (or parallel.pp=1)")

@@ -49,7 +49,9 @@ class PipelineStep:
         self.parts: list[nn.Module] = []
         for sid in self.stage_ids:
             part = as_stage(builder.build_meta(), ranges[sid], is_first=sid == 0, is_last=sid == self.num_stages - 1)
-            self.parts.append(builder.spec.parallelize(part, pdims, cfg))  # TP -> AC -> FSDP, per stage
+            self.parts.append(builder.spec.parallelize(part, pdims, cfg))  # TP -> CP -> EP -> AC -> FSDP, per stage
+            if pdims.tp > 1 and pdims.sequence_parallel:
+                self.parts[-1].pp_stream_mesh = pdims.tp_mesh()
             keep_stats_fp32(self.parts[-1])
         log.info("pipeline: %d stages (%s), this rank runs %s with layers %s; %d micro-batches per step",
                  self.num_stages, self.schedule_name, self.stage_ids, [list(ranges[s]) for s in self.stage_ids],
@@ -98,6 +100,10 @@ class PipelineStep:
                 for k in micro_batches[0]}
         labels = rows.pop("labels")
         input_ids = rows.pop("input_ids")
+        if self.pdims.cp > 1 and "position_ids" not in rows:
+            # every stage's CP hooks build rotary tables and documents from whole-row positions
+            B, S = input_ids.shape
+            rows["position_ids"] = torch.arange(S, device=input_ids.device).unsqueeze(0).expand(B, S).contiguous()
         if shares_embedding(self.parts[0].args) and getattr(self.parts[0].args, "mtp_loss_weight", 0) > 0:
             rows["token_ids"] = input_ids  # the last stage's MTP module embeds them
         if self.schedule is None:
