@@ -111,7 +111,6 @@ def test_stage_statistics_add_up_to_the_whole_model():
 
 @pytest.mark.parametrize("overrides, message", [
     (["parallel=pp2", "model=qwen3_vl_moe"], "pp for qwen3_vl_moe not supported yet"),
-    (["parallel=pp2", "checkpoint=default"], "checkpoints and HF export under pp not supported yet"),
     (["parallel=pp2", "train.pp_microbatches=3"], "train.pp_microbatches=3 must divide the 4 rows"),
     (["parallel=pp2_1f1b", "train.global_batch_size=1"], "needs at least pp=2 micro-batches"),
     (["parallel=pp2", "parallel.pp_schedule=interleaved_1f1b"], "interleaved_1f1b needs vpp > 1"),
@@ -212,3 +211,68 @@ def test_tied_embedding_pp2_tracks_single(tmp_path):
     got = run(tmp_path / "pp2", [*tie, "parallel=pp2_1f1b"])
     assert abs(single[1]["loss"] - got[1]["loss"]) <= 1e-6 and abs(single[1]["grad_norm"] - got[1]["grad_norm"]) <= 1e-5
     assert worst(single, got, "loss") <= 1e-3
+
+
+# ---- checkpoints and HF export of pipeline runs ----------------------------------------------------------
+
+CKPT_ALL = ["checkpoint=default", "checkpoint.save_steps=5", "checkpoint.keep_last=0"]
+
+
+def _hf_logits(hf_dir: Path, vocab: int = 2048) -> torch.Tensor:
+    from transformers import Qwen3_5ForCausalLM
+
+    hf = Qwen3_5ForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    ids = torch.randint(0, vocab, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        return hf(input_ids=ids, use_cache=False).logits
+
+
+def test_fsdp2_tp2_pp2_checkpoint_resumes_under_single_and_exports(tmp_path):
+    """8 processes, dp_shard 2 x tp 2 x pp 2: every stage's ranks write their pieces of one DCP
+    checkpoint (the whole model's names, the param-group options of every stage); saved at step 5
+    it resumes under one process, and steps 6-10 equal an uninterrupted single run. Its end-of-run
+    HF export (each stage gathered, sent to rank 0) equals the offline export of its final
+    checkpoint; a pp 2 run's export reloads in transformers with the single run's logits."""
+    pytest.importorskip("transformers")
+    from helpers import read_losses, run_cli
+    from hyperpar.models import HFCheckpoint
+
+    export = [*CKPT_ALL, "checkpoint.export_hf_at_end=true"]
+    runs = {"single": "single", "pp2": "pp2_1f1b", "pp8": "fsdp2_tp2_pp2"}
+    for name, layout in runs.items():
+        res = cli_small(tmp_path / name, [f"parallel={layout}", *export], steps=10)
+        assert res.returncode == 0, res.stderr[-3000:]
+    pp8 = tmp_path / "pp8"
+    assert sorted(p.name for p in (pp8 / "checkpoints" / "step_5").glob("*.distcp")) == [f"__{r}_0.distcp" for r in range(8)]
+    resumed = tmp_path / "resumed"
+    res = cli_small(resumed, ["parallel=single", *CKPT_ALL, f"checkpoint.load_path={pp8}/checkpoints/step_5"], steps=10)
+    assert res.returncode == 0, res.stderr[-3000:]
+    ref, got = read_losses(tmp_path / "single"), read_losses(resumed)
+    assert sorted(got) == list(range(6, 11))
+    worst = max(abs(got[s] - ref[s]) for s in got)
+    diff = (_hf_logits(tmp_path / "pp2" / "hf") - _hf_logits(tmp_path / "single" / "hf")).abs().max().item()
+    print(f"fsdp2_tp2_pp2 step 5 -> single: max |loss diff| steps 6-10 {worst:.2e}; pp2 HF logits vs single's {diff:.2e}")
+    assert worst <= TOL and diff <= TOL
+    offline = tmp_path / "offline"
+    res = run_cli([str(pp8 / "checkpoints" / "step_10"), str(offline)], cwd=tmp_path, module="hyperpar.export", timeout=300)
+    assert res.returncode == 0, res.stderr
+    with HFCheckpoint(pp8 / "hf") as x, HFCheckpoint(offline) as y:
+        assert x.config == y.config and sorted(x.keys()) == sorted(y.keys())
+        assert all(torch.equal(x.read(k), y.read(k)) for k in x.keys())
+
+
+@pytest.mark.slow
+def test_interleaved_stop_and_resume_is_bitwise(tmp_path):
+    """pp 2 x vpp 2 (two model parts per rank, one optimizer over both): stopped at step 5 and
+    resumed on the same layout, the run repeats the uninterrupted one bit for bit."""
+    from helpers import records
+
+    base, run = tmp_path / "base", tmp_path / "run"
+    res = cli_small(base, ["parallel=pp2_vpp2"], steps=10)
+    assert res.returncode == 0, res.stderr[-3000:]
+    res = cli_small(run, ["parallel=pp2_vpp2", *CKPT_ALL, "train.stop_after_steps=5"], steps=10)
+    assert res.returncode == 0, res.stderr[-3000:]
+    res = cli_small(run, ["parallel=pp2_vpp2", *CKPT_ALL], steps=10)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "resumed from" in res.stderr
+    assert records(run) == records(base)

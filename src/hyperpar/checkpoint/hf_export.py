@@ -58,15 +58,37 @@ def write_hf(model: nn.Module, out_dir: str | Path, *, dtype: torch.dtype | None
     return out
 
 
-def export_live(model: nn.Module, out_dir: str | Path, *, rank: int, max_shard_size: int | str = "2GB") -> Path | None:
-    """Collective: gather full tensors from the DTensors to rank 0's CPU, which writes the HF directory."""
+def export_live(model: nn.Module | list[nn.Module], out_dir: str | Path, *, rank: int, pipeline=None,
+                max_shard_size: int | str = "2GB") -> Path | None:
+    """Collective: gather full tensors from the DTensors to rank 0's CPU, which writes the HF directory.
+
+    ``model``: the module, or this rank's model parts; with ``pipeline`` (pp > 1) each stage's
+    full tensors are gathered inside the stage, then its first rank sends them to rank 0 over the
+    pipeline group of rank 0 (whose members are exactly the stages' first ranks)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    # full_state_dict + cpu_offload: every rank takes part in each all-gather, only rank 0 keeps the result.
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    parts = list(model) if isinstance(model, (list, tuple)) else [model]
+    if pipeline is None:
+        # full_state_dict + cpu_offload: every rank takes part in each all-gather, only rank 0 keeps the result.
+        full = get_model_state_dict(parts[0], options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    else:
+        import torch.distributed as dist
+
+        full = {}
+        for part in parts:  # every rank of a stage takes part; each keeps the stage's full tensors
+            for k, v in get_model_state_dict(part, options=StateDictOptions(full_state_dict=True)).items():
+                full[k] = v.detach().cpu()
+        pp_mesh = pipeline.pdims.submesh("pp")
+        leader = all(c == 0 for name, c in zip(pipeline.pdims.mesh.mesh_dim_names, pipeline.pdims.mesh.get_coordinate())
+                     if name != "pp")
+        if leader:  # the pp group of global rank 0
+            stages: list = [None] * pipeline.pdims.pp if rank == 0 else None
+            dist.gather_object(full, stages, dst=0, group=pp_mesh.get_group())
+            if rank == 0:
+                full = {k: v for stage in stages for k, v in stage.items()}
     if rank != 0:
         return None
-    plain = assign_full_state(spec_of_model(model), model.args, full)  # FSDP2 wraps it in a subclass
+    plain = assign_full_state(spec_of_model(parts[0]), parts[0].args, full)  # FSDP2 wraps it in a subclass
     del full
     return write_hf(plain, out_dir, max_shard_size=max_shard_size)
 

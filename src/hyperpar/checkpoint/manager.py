@@ -153,12 +153,13 @@ class Checkpointer:
         train_state = d.read_json(path / d.TRAIN_STATE, "trainer state")
         metadata = st.read_metadata(path)
         st.check_files(path, metadata)
-        tensors, optim_other = st.split_state(trainer.model, trainer.optimizer)
+        tensors, optim_other = st.split_state(trainer.model_parts, trainer.optimizer)
         untrained = st.untrained_params(metadata, tensors)
         stored = st.without_state(tensors, untrained)
-        st.check_compatible(path, metadata, stored, train_state.get("model"), _model_tag(self.job_cfg) or "")
+        st.check_compatible(path, metadata, stored, train_state.get("model"), _model_tag(self.job_cfg) or "",
+                            elsewhere=self._keys_of_other_stages(trainer, stored))
         st.load_tensors(path, stored)
-        st.apply_model_optim(trainer.model, trainer.optimizer, tensors, optim_other,
+        st.apply_model_optim(trainer.model_parts, trainer.optimizer, tensors, optim_other,
                              train_state.get("optim_param_groups", {}), untrained)
         if untrained:
             log.info("%d parameters had no gradient before step %s (%s): no optimizer state saved; AdamW starts "
@@ -183,6 +184,17 @@ class Checkpointer:
         self.resumed_from = path
         log.info("resumed from %s at step %d (saved by layout %s, %s ranks)", path, trainer.step,
                  train_state.get("layout"), train_state.get("world_size"))
+
+    @staticmethod
+    def _keys_of_other_stages(trainer, stored: dict[str, dict[str, torch.Tensor]]) -> set[str]:
+        """Under pipeline parallelism each rank loads its stages' keys: what the other ranks load is
+        not "unexpected" in the checkpoint (one all-gather of the key lists)."""
+        if getattr(trainer, "pipeline", None) is None or not _dist():
+            return set()
+        own = sorted(st.flat_keys(stored))
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, own)
+        return {k for keys in everyone for k in keys} - set(own)
 
     # ---- save ---------------------------------------------------------------------------------
     def after_step(self, trainer) -> None:
@@ -216,7 +228,12 @@ class Checkpointer:
         self.wait()
         step = trainer.step
         tmp = self.root / f"{d.step_name(step)}.tmp"
-        tensors, optim_other = st.split_state(trainer.model, trainer.optimizer)
+        tensors, optim_other = st.split_state(trainer.model_parts, trainer.optimizer)
+        if getattr(trainer, "pipeline", None) is not None and _dist():
+            # rank 0 writes the param-group options (LR, decay) for every stage's parameters
+            everyone: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(everyone, optim_other)
+            optim_other = {k: v for other in everyone for k, v in other.items()}
         with fault_hook_disk_full(step):
             return self._save(trainer, step, tmp, tensors, optim_other)
 
@@ -311,7 +328,7 @@ class Checkpointer:
         from hyperpar.checkpoint.hf_export import export_live
 
         out = self.run_dir / "hf"
-        path = export_live(trainer.model, out, rank=self.rank)
+        path = export_live(trainer.model_parts, out, rank=self.rank, pipeline=trainer.pipeline)
         _barrier()
         if self.rank == 0:
             log.info("exported Hugging Face model to %s", out)

@@ -33,15 +33,57 @@ def _options():
     return StateDictOptions(flatten_optimizer_state_dict=True)
 
 
-def split_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], dict[str, Any]]:
+def _parts(model: nn.Module | list[nn.Module]) -> list[nn.Module]:
+    return list(model) if isinstance(model, (list, tuple)) else [model]
+
+
+def _optim_holder(parts: list[nn.Module]) -> nn.Module:
+    """The module the optimizer was built on (``PipelineStep.optim_model``): the one part, or a
+    ``ModuleList`` of them, whose names carry a "<part index>." prefix."""
+    return parts[0] if len(parts) == 1 else nn.ModuleList(parts)
+
+
+def _canonical_optim_keys(osd: dict[str, Any], n_parts: int) -> dict[str, Any]:
+    """Optimizer keys without the part index: "state.<i>.<fqn>..." -> "state.<fqn>..." (each part
+    keeps the whole model's names, so the keys are the one-process run's, whatever the pipeline)."""
+    if n_parts == 1:
+        return osd
+    out = {}
+    for k, v in osd.items():
+        top, i, rest = k.split(".", 2)
+        out[f"{top}.{rest}"] = v
+    return out
+
+
+def _part_optim_keys(osd: dict[str, Any], parts: list[nn.Module]) -> dict[str, Any]:
+    """The inverse of ``_canonical_optim_keys``: each key gets the index of the part holding its parameter."""
+    if len(parts) == 1:
+        return osd
+    from hyperpar.models.param_names import canonical_name
+
+    owner = {canonical_name(n): i for i, part in enumerate(parts) for n, _ in part.named_parameters()}
+    out = {}
+    for k, v in osd.items():
+        top, rest = k.split(".", 1)
+        out[f"{top}.{owner[_owner(rest, set(owner))]}.{rest}"] = v
+    return out
+
+
+def split_state(model: nn.Module | list[nn.Module], optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], dict[str, Any]]:
     """(tensors for DCP: {"model": ..., "optim": ...}, the optimizer's non-tensor entries).
 
+    ``model``: the module, or the list of model parts of this rank (pipeline stages: each keeps the
+    whole model's names, so their state dicts merge into a subset of the one-process run's keys).
     Parameter names are canonical (no activation-checkpoint or compile wrapper segments), so a
     checkpoint does not depend on those settings either.
     """
-    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-    msd, osd = get_state_dict(model, optimizer, options=_options())
+    parts = _parts(model)
+    msd: dict[str, Any] = {}
+    for part in parts:
+        msd.update(get_model_state_dict(part, options=_options()))
+    osd = _canonical_optim_keys(get_optimizer_state_dict(_optim_holder(parts), optimizer, options=_options()), len(parts))
     optim_tensors = {k: v for k, v in osd.items() if isinstance(v, torch.Tensor)}
     optim_other = {k: v for k, v in osd.items() if not isinstance(v, torch.Tensor)}
     return {"model": msd, "optim": optim_tensors}, optim_other
@@ -166,9 +208,10 @@ def short_list(items: list[str], n: int = 3) -> str:
 
 
 def check_compatible(path: Path, metadata, tensors: dict[str, dict[str, torch.Tensor]], saved_model: str | None,
-                     current_model: str) -> None:
+                     current_model: str, elsewhere: set[str] = frozenset()) -> None:
     """Raise one CheckpointError naming the first missing / unexpected / wrongly shaped tensors
-    (pass ``without_state(tensors, untrained_params(...))``: no state for an untrained parameter is no mismatch)."""
+    (pass ``without_state(tensors, untrained_params(...))``: no state for an untrained parameter is no mismatch).
+    ``elsewhere``: flat keys other ranks load (pipeline stages), not unexpected here."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     saved = {k: v for k, v in metadata.state_dict_metadata.items()}
@@ -184,7 +227,7 @@ def check_compatible(path: Path, metadata, tensors: dict[str, dict[str, torch.Te
                 missing.append(key)
             elif tuple(md.size) != tuple(t.shape):
                 wrong.append(f"{key} {tuple(md.size)} in checkpoint != {tuple(t.shape)} expected")
-        unexpected += [k for k in saved if k.startswith(prefix) and k not in ours]
+        unexpected += [k for k in saved if k.startswith(prefix) and k not in ours and k not in elsewhere]
     if not (missing or unexpected or wrong):
         return
     parts = []
@@ -223,20 +266,26 @@ def load_tensors(path: Path, tensors: dict[str, dict[str, torch.Tensor]], *, no_
                               hint="the checkpoint is damaged; use an earlier one") from None
 
 
-def apply_model_optim(model: nn.Module, optimizer: torch.optim.Optimizer, tensors: dict[str, Any],
+def apply_model_optim(model: nn.Module | list[nn.Module], optimizer: torch.optim.Optimizer, tensors: dict[str, Any],
                       optim_other_template: dict[str, Any], optim_other_saved: dict[str, Any],
                       untrained: Iterable[str] = ()) -> None:
-    """Load ``tensors`` into the model and optimizer; ``untrained`` parameters end with no optimizer
-    state, as in the run that saved them, so AdamW starts their state fresh at their first gradient."""
-    from torch.distributed.checkpoint.state_dict import set_state_dict
+    """Load ``tensors`` into the model (or this rank's model parts) and the optimizer; ``untrained``
+    parameters end with no optimizer state, as in the run that saved them, so AdamW starts their
+    state fresh at their first gradient."""
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
     from hyperpar.models.param_names import canonical_name
 
+    parts = _parts(model)
     other = {k: _like(optim_other_saved[k], v) if k in optim_other_saved else v for k, v in optim_other_template.items()}
-    set_state_dict(model, optimizer, model_state_dict=tensors["model"], optim_state_dict={**tensors["optim"], **other},
-                   options=_options())
+    for part in parts:
+        own = {canonical_name(n) for n, _ in part.named_parameters(remove_duplicate=False)}
+        own |= {canonical_name(n) for n, _ in part.named_buffers()}
+        set_model_state_dict(part, {k: v for k, v in tensors["model"].items() if k in own}, options=_options())
+    set_optimizer_state_dict(_optim_holder(parts), optimizer, _part_optim_keys({**tensors["optim"], **other}, parts),
+                             options=_options())
     if untrained:
-        by_name = {canonical_name(n): p for n, p in model.named_parameters()}
+        by_name = {canonical_name(n): p for part in parts for n, p in part.named_parameters()}
         for fqn in untrained:
             optimizer.state.pop(by_name[fqn])  # the state DCP's zero-gradient step made for the template
 
