@@ -110,7 +110,7 @@ def test_stage_statistics_add_up_to_the_whole_model():
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["parallel=pp2", "model=qwen3_vl_moe"], "pp for qwen3_vl_moe not supported yet"),
+    (["parallel=cp2_pp2", "model=qwen3_vl_moe"], "pp with cp for qwen3_vl_moe not supported yet"),
     (["parallel=pp2", "train.pp_microbatches=3"], "train.pp_microbatches=3 must divide the 4 rows"),
     (["parallel=pp2_1f1b", "train.global_batch_size=1"], "needs at least pp=2 micro-batches"),
     (["parallel=pp2", "parallel.pp_schedule=interleaved_1f1b"], "interleaved_1f1b needs vpp > 1"),
@@ -126,8 +126,40 @@ def test_plan_refuses_what_is_not_built(overrides, message):
 
 
 def test_cli_refusal_is_one_line(tmp_path):
-    res = cli_small(tmp_path / "run", ["parallel=pp2", "model=qwen3_vl_moe"], steps=1)
-    assert "pp for qwen3_vl_moe not supported yet" in one_error_line(res)
+    res = cli_small(tmp_path / "run", ["parallel=cp2_pp2", "model=qwen3_vl_moe"], steps=1)
+    assert "pp with cp for qwen3_vl_moe not supported yet" in one_error_line(res)
+
+
+def test_step_vision_picks_the_images_of_a_row_range():
+    """Ragged VL micro-batches: each image / video belongs to the row holding its placeholders (rows
+    without any in between), and a range of the step's rows gets exactly its pixels and grids."""
+    from types import SimpleNamespace
+
+    from hyperpar.distributed.pipeline_vl import carry_plan, step_inputs
+
+    I, V, m = 7, 8, 4  # image / video placeholder ids, merge unit 4 (2 x 2)
+    args = SimpleNamespace(image_token_id=I, video_token_id=V, vision=SimpleNamespace(merge_unit=m, spatial_merge_size=2,
+                           deepstack_visual_indexes=[0, 2]), text=SimpleNamespace())
+    ids = torch.zeros(3, 12, dtype=torch.long)
+    ids[0, 1:3] = I  # row 0: one image of 8 patches (2 tokens)
+    ids[2, 0:1] = I  # row 1: text only; row 2: an image of 4 patches and a video of 8
+    ids[2, 4:6] = V
+    mb = {"input_ids": ids, "labels": ids, "position_ids": torch.arange(12).expand(3, 3, 12),
+          "pixel_values": torch.arange(12.0).unsqueeze(1), "image_grid_thw": torch.tensor([[1, 2, 4], [1, 2, 2]]),
+          "pixel_values_videos": torch.arange(8.0).unsqueeze(1) + 100, "video_grid_thw": torch.tensor([[2, 2, 2]])}
+    text_only = {"input_ids": torch.zeros(1, 12, dtype=torch.long), "labels": torch.zeros(1, 12, dtype=torch.long),
+                 "position_ids": torch.arange(12).expand(1, 12)}  # (B, S) positions become 3 equal rows
+    rows, vision = step_inputs([mb, text_only], args)
+    assert rows["input_ids"].shape == (4, 12) and rows["position_ids"].shape == (3, 4, 12)
+    assert vision.rows(1, 2) == {} and vision.rows(3, 4) == {}
+    r0 = vision.rows(0, 1)
+    assert r0["pixel_values"].flatten().tolist() == list(range(8)) and r0["image_grid_thw"].tolist() == [[1, 2, 4]]
+    r2 = vision.rows(1, 4)
+    assert r2["pixel_values"].flatten().tolist() == [8, 9, 10, 11] and r2["video_grid_thw"].tolist() == [[2, 2, 2]]
+    assert r2["pixel_values_videos"].shape == (8, 1)
+    # DeepStack levels 0 and 1 (added after layers 0 and 1) travel to the stages holding those layers
+    assert carry_plan([range(0, 1), range(1, 2), range(2, 4)], args, mtp=False) == [["deepstack.1"], []]
+    assert carry_plan([range(0, 2), range(2, 4)], args, mtp=True) == [["embeds"]]
 
 
 # ---- the real CLI: pipelines equal one process ----------------------------------------------------------
@@ -192,6 +224,39 @@ def test_pp2_composes_with_tp_cp_ep(tmp_path, model, layout):
     got = run(tmp_path / layout, [*model, f"parallel={layout}"])
     keys = ("loss", "grad_norm") + (("aux_loss",) if "moe" in model[0] else ()) + (("mtp_loss",) if len(model) > 1 else ())
     check_parity(single, got, f"{model[0]} {layout}", keys=keys)
+
+
+VL_DATA = ["data=vl_dummy", "train.seq_len=64", "train.micro_batch_size=2", "train.global_batch_size=8",
+           "data.extra.video_fraction=0.5", "data.extra.text_fraction=0.3"]
+
+
+def test_qwen3_vl_moe_pipelines_match_single(tmp_path):
+    """Images, videos and text-only rows, so the micro-batches carry different numbers of each
+    (ragged): the vision tower runs on the first stage for its micro-batch's rows, the 3-D positions
+    reach every stage. pp 2 x vpp 2 puts layer 1 on the second stage: the DeepStack level it adds
+    travels there. Also tp 2 x pp 2 and ep 2 x pp 2 (dp_shard 2); loss and aux loss as one process."""
+    model = ["model=qwen3_vl_moe", *VL_DATA]
+    single = run(tmp_path / "single", [*model, "parallel=single"])
+    for layout in ("pp2_vpp2", "tp2_pp2", "ep2_pp2"):
+        got = run(tmp_path / layout, [*model, f"parallel={layout}"])
+        check_parity(single, got, f"qwen3_vl_moe {layout}", keys=("loss", "aux_loss", "grad_norm"))
+
+
+@pytest.mark.parametrize("model", [
+    pytest.param(["model=qwen3_5_moe_vl", "model.mtp_loss_weight=0.3"], id="qwen3_5_moe_vl_mtp"),
+    pytest.param(["model=qwen3_5_vl"], id="qwen3_5_vl", marks=pytest.mark.full),
+])
+def test_qwen3_5_vl_pp2_matches_single(tmp_path, model):
+    """The Qwen3.5 VL families (ragged VL data) under fsdp 2 x pp 2: MoE with the MTP head, which
+    reads the merged input embeddings carried from the first stage; dense with the schedule cutting
+    rows of one (4 micro-batches of a 4-row-per-rank step), so the pipeline splits the loader's
+    micro-batches of 2 and each picks its own images."""
+    single = run(tmp_path / "single", [*model, *VL_DATA, "parallel=single"])
+    moe = "moe" in model[0]
+    # the aux loss is per micro-batch: equal when the pipeline's micro-batches are the loader's
+    got = run(tmp_path / "pp2", [*model, *VL_DATA, "parallel=fsdp2_pp2", *([] if moe else ["train.pp_microbatches=4"])])
+    keys = ("loss", "grad_norm") + (("aux_loss", "mtp_loss") if moe else ())
+    check_parity(single, got, f"{model[0]} fsdp2_pp2", keys=keys)
 
 
 @pytest.mark.slow

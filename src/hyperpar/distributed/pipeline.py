@@ -31,10 +31,10 @@ from hyperpar.models.layers.moe import RouterStats, record_router_stats
 log = logging.getLogger("hyperpar")
 
 # Families whose stage forward (``StageForward``) is written; the others are refused in the plan.
-PP_FAMILIES = ("qwen3_5", "qwen3_5_moe")
+PP_FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_5_vl", "qwen3_5_moe_vl", "qwen3_vl_moe")
 # What ``PipelineJob.check`` refuses today, as the support matrix page lists it.
 NOT_BUILT = (
-    ("`parallel.pp` > 1 for the VL families", 'not built yet: "pp for qwen3_vl_moe not supported yet"'),
+    ("`parallel.pp` > 1 with `cp` > 1 for the VL families", 'not built yet: "pp with cp for qwen3_vl_moe not supported yet"'),
     ("`parallel.pp_schedule=zero_bubble`", 'not built yet: "pp_schedule=zero_bubble not supported yet"'),
 )
 
@@ -95,43 +95,80 @@ def unpack_stats(packed: torch.Tensor, num_experts: int) -> RouterStats:
 # ---- the stage module ---------------------------------------------------------------------------------
 
 
-class StageForward:
-    """Mixed into a pruned causal LM's class (``as_stage``): the forward a pipeline stage runs.
+def text_stack(model: nn.Module) -> nn.Module:
+    """The decoder stack of a causal LM (``model.model``) or of a VL model (``model.model.language_model``)."""
+    return getattr(model.model, "language_model", model.model)
 
-    ``x``: token ids (first stage) or hidden states; ``stats``: the packed router statistics of the
-    stages before (MoE). Returns hidden states (and statistics) to send on, or on the last stage the
-    logits (and the micro-batch's statistics of every stage)."""
+
+def text_args(args):
+    return getattr(args, "text", args)
+
+
+class StageForward:
+    """Mixed into a pruned model's class (``as_stage``): the forward a pipeline stage runs.
+
+    ``x``: token ids (first stage) or hidden states; ``carried``: what travels with them, the packed
+    router statistics of the stages before (MoE; not into the first stage) and then the tensors
+    ``pp_carry_in`` names (VL: DeepStack levels, merged embeddings). Returns hidden states (and
+    statistics, and ``pp_carry_out``'s tensors) to send on, or on the last stage the logits (and the
+    micro-batch's statistics of every stage, and MTP logits)."""
 
     pp_num_experts: int = 0  # > 0: a MoE model, statistics travel with the hidden states
+    pp_is_first: bool = False
     pp_is_last: bool = False
     pp_stream_mesh = None  # the tp mesh under sequence parallelism: hidden states travel as Shard(1) pieces
+    pp_vl: bool = False
+    pp_carry_in: tuple[str, ...] = ()
+    pp_carry_out: tuple[str, ...] = ()
+    pp_vision = None  # first VL stage: the step's StepVision, set before each schedule step
 
-    def forward(self, x: torch.Tensor, stats: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-                attention_mask: torch.Tensor | None = None, token_ids: torch.Tensor | None = None):
-        """``token_ids``: the micro-batch's tokens, read by the last stage's MTP module only."""
+    def forward(self, x: torch.Tensor, *carried: torch.Tensor, position_ids: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None, token_ids: torch.Tensor | None = None,
+                row_index: torch.Tensor | None = None, visual_mask: torch.Tensor | None = None):
+        """``token_ids``: the micro-batch's tokens, read by the last stage's MTP module only (text
+        models); ``row_index``: the micro-batch's rows of the step (the first VL stage picks their
+        images); ``visual_mask``: where DeepStack adds its features (VL stages after the first)."""
         E = self.pp_num_experts
+        carried = list(carried)
+        stats = carried.pop(0) if E and not self.pp_is_first else None
         stats = self.__dict__.pop("_pp_stats_fp32", stats)  # see keep_stats_fp32
+        received = dict(zip(self.pp_carry_in, carried))
         if self.pp_stream_mesh is not None and x.is_floating_point() and not isinstance(x, DTensor):
             # received hidden states are this rank's sequence shard of the SP residual stream
             x = DTensor.from_local(x, self.pp_stream_mesh, [Shard(1)], run_check=False)
+        if self.pp_vl:
+            return self._vl_forward(x, stats, received, position_ids, attention_mask, row_index, visual_mask)
         if self.pp_is_last:
             if getattr(self, "mtp_active", False):
                 out = self._forward_with_mtp(x, position_ids, attention_mask, token_ids)
             else:
                 out = super().forward(x, position_ids, attention_mask)
-            if not E:
-                return out
-            own = pack_stats(out.router_stats, E, out.logits.device)
-            total = own if stats is None else stats + own
-            return (out.logits, total) if out.mtp_logits is None else (out.logits, total, out.mtp_logits)
+            return self._last_outputs(out, stats)
         with record_router_stats() as sink:
             h = self.model(x, position_ids, attention_mask)  # the text stack: what forward runs without a head
-        if isinstance(h, DTensor):  # stages exchange plain tensors: the local shard of the stream
-            h = h.to_local()
+        return self._send(h, sink, stats, {})
+
+    def _last_outputs(self, out, stats):
+        from hyperpar.models.output import ModelOutput
+
+        E = self.pp_num_experts
         if not E:
-            return h
-        own = pack_stats(RouterStats.pool(sink) if sink else None, E, h.device)
-        return h, own if stats is None else stats + own
+            return out.logits if isinstance(out, ModelOutput) and out.mtp_logits is None else out
+        own = pack_stats(out.router_stats, E, out.logits.device)
+        total = own if stats is None else stats + own
+        return (out.logits, total) if out.mtp_logits is None else (out.logits, total, out.mtp_logits)
+
+    def _send(self, h, sink, stats, carry: dict[str, torch.Tensor]):
+        """What a stage before the last sends on: plain tensors (the local shard of the stream)."""
+        if isinstance(h, DTensor):
+            h = h.to_local()
+        out = [h]
+        E = self.pp_num_experts
+        if E:
+            own = pack_stats(RouterStats.pool(sink) if sink else None, E, h.device)
+            out.append(own if stats is None else stats + own)
+        out += [carry[name] for name in self.pp_carry_out]
+        return out[0] if len(out) == 1 else tuple(out)
 
     def _forward_with_mtp(self, h, position_ids, attention_mask, token_ids):
         """The head and the MTP step of the last stage: the MTP module reads the embedding of the
@@ -145,11 +182,61 @@ class StageForward:
             logits, mtp_logits = self.lm_head(h), self.lm_head(mtp_h)
         return ModelOutput.of(logits, sink, self.args.router_aux_loss_coef, mtp_logits)
 
+    def _vl_forward(self, x, stats, received, position_ids, attention_mask, row_index, visual_mask):
+        """A VL stage: the first embeds its rows' tokens and images (vision tower, placeholder scatter,
+        DeepStack features); every stage runs its decoder layers, adding the DeepStack levels they
+        own; the last one the head (and the MTP step on the carried merged embeddings)."""
+        from hyperpar.models.output import ModelOutput
+
+        levels: dict[int, torch.Tensor] = {}
+        with record_router_stats() as sink:
+            if self.pp_is_first:
+                vision = self.pp_vision.rows(int(row_index[0]), int(row_index[-1]) + 1) if self.pp_vision else {}
+                x, visual_mask, features = self.stage_embed(x, position_ids=position_ids, attention_mask=attention_mask,
+                                                            **vision)
+                embeds = x
+                levels = dict(enumerate(features))
+            else:
+                embeds = received.get("embeds")
+                for name, dense in received.items():
+                    if name.startswith("deepstack."):
+                        levels[int(name.split(".", 1)[1])] = dense[visual_mask]
+            deepstack = [levels.get(n) for n in range(max(levels) + 1)] if levels else []
+            h = self.stage_text(x, position_ids, attention_mask, visual_mask, deepstack)
+            if self.pp_is_last:
+                logits = self.lm_head(h)
+                mtp_logits = None
+                if getattr(self, "mtp_active", False):
+                    lm = text_stack(self)
+                    mtp_logits = self.lm_head(self.mtp.predict(embeds, h, lm.rotary_emb, position_ids, attention_mask))
+        if self.pp_is_last:
+            return self._last_outputs(ModelOutput.of(logits, sink, float(getattr(text_args(self.args), "router_aux_loss_coef", 0.0)), mtp_logits),
+                                      stats)
+        carry: dict[str, torch.Tensor] = {}
+        for name in self.pp_carry_out:
+            if name in received:  # passed on (a view: the stage's output keeps its own autograd node)
+                carry[name] = received[name].view_as(received[name])
+            elif name == "embeds":
+                carry[name] = embeds.full_tensor() if isinstance(embeds, DTensor) else embeds
+            else:  # a DeepStack level this (first) stage computed, dense over the positions
+                n = int(name.split(".", 1)[1])
+                H = text_args(self.args).hidden_size
+                B, S = row_index.shape[0], position_ids.shape[-1]
+                dense = torch.zeros(B, S, H, dtype=h.dtype, device=h.device)
+                if visual_mask is not None and n in levels:
+                    dense = dense.masked_scatter(visual_mask.unsqueeze(-1), levels[n].to(dense.dtype))
+                carry[name] = dense
+        return self._send(h, sink, stats, carry)
+
 
 def shares_embedding(args) -> bool:
-    """The last stage needs the embedding too: a tied head, or a trained MTP module that embeds tokens."""
-    return bool(getattr(args, "tie_word_embeddings", False)) or (
-        int(getattr(args, "mtp_num_hidden_layers", 0)) > 0 and float(getattr(args, "mtp_loss_weight", 0.0)) > 0)
+    """The last stage needs the embedding too: a tied head, or (text models) a trained MTP module
+    that embeds tokens; a VL model's MTP module reads the merged embeddings carried from the first stage."""
+    if bool(getattr(args, "tie_word_embeddings", False)):
+        return True
+    t = text_args(args)
+    mtp_weight = float(getattr(args, "mtp_loss_weight", 0.0) or getattr(t, "mtp_loss_weight", 0.0))
+    return not hasattr(args, "vision") and int(getattr(t, "mtp_num_hidden_layers", 0)) > 0 and mtp_weight > 0
 
 
 def keep_stats_fp32(stage: nn.Module) -> None:
@@ -169,12 +256,17 @@ def as_stage(model: nn.Module, layers: range, *, is_first: bool, is_last: bool) 
 
     The class is swapped for a subclass (as FSDP does), so the module keeps its names, its family
     (``spec_of_model``) and its init/export hooks."""
-    text = model.model
+    from hyperpar.distributed.pipeline_vl import is_vl
+
+    text = text_stack(model)
     for key in list(text.layers.keys()):
         if int(key) not in layers:
             del text.layers[key]
     if not is_first and not (is_last and shares_embedding(model.args)):
         text.embed_tokens = None
+    vl = is_vl(model.args)
+    if vl and not is_first:
+        model.model.visual = None
     if not is_last:
         text.norm = None
         model.lm_head = None
@@ -182,8 +274,8 @@ def as_stage(model: nn.Module, layers: range, *, is_first: bool, is_last: bool) 
             model.mtp = None
     cls = type(model)
     model.__class__ = type(f"Stage{cls.__name__}", (StageForward, cls), {})
-    model.pp_num_experts = int(getattr(model.args, "num_experts", 0) or 0)
-    model.pp_is_last = is_last
+    model.pp_num_experts = int(getattr(text_args(model.args), "num_experts", 0) or 0)
+    model.pp_is_first, model.pp_is_last, model.pp_vl = is_first, is_last, vl
     model.pp_layers = layers
     return model
 
@@ -207,10 +299,11 @@ class SharedEmbedding:
         # new_group is collective: every rank builds every pair's group and keeps its own.
         self.group, _ = dist.new_subgroups_by_enumeration(pairs)
         for part, sid in zip(parts, stage_ids):
-            if part.model.embed_tokens is not None:
-                self.params.append(part.model.embed_tokens.weight)
+            embed = text_stack(part).embed_tokens
+            if embed is not None:
+                self.params.append(embed.weight)
                 if sid != 0:
-                    self.duplicate.add(id(part.model.embed_tokens.weight))
+                    self.duplicate.add(id(embed.weight))
 
     @torch.no_grad()
     def sum_grads(self) -> None:
@@ -268,6 +361,10 @@ class PipelineJob:
         schedule = check_pp_schedule(cfg.parallel.pp_schedule)
         if model_name not in PP_FAMILIES:
             raise PlanError(f"pp for {model_name} not supported yet", hint=f"pipeline parallel trains {', '.join(PP_FAMILIES)}")
+        from hyperpar.distributed.pipeline_vl import is_vl
+
+        if is_vl(args) and pdims.cp > 1:
+            raise PlanError(f"pp with cp for {model_name} not supported yet", hint="set parallel.cp=1 or parallel.pp=1")
         if (schedule == "interleaved_1f1b") != (pdims.vpp > 1):
             raise PlanError(f"parallel.pp_schedule={schedule} with vpp {pdims.vpp}: interleaved_1f1b needs vpp > 1, "
                             "gpipe and 1f1b need vpp 1")
@@ -281,5 +378,5 @@ class PipelineJob:
         if schedule != "gpipe" and n < pdims.pp:
             raise PlanError(f"pp_schedule={schedule} needs at least pp={pdims.pp} micro-batches, got {n}",
                             hint="raise train.pp_microbatches or the global batch, or use pp_schedule=gpipe")
-        layers = stage_layer_counts(args.num_hidden_layers, pdims.pp * pdims.vpp, list(pdims.pp_layers or []) or None)
+        layers = stage_layer_counts(text_args(args).num_hidden_layers, pdims.pp * pdims.vpp, list(pdims.pp_layers or []) or None)
         return cls(schedule=schedule, microbatches=n, layers=layers)

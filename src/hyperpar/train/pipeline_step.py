@@ -24,8 +24,10 @@ from hyperpar.distributed.pipeline import (
     local_stage_ids,
     shares_embedding,
     stage_ranges,
+    text_args,
     unpack_stats,
 )
+from hyperpar.distributed import pipeline_vl
 from hyperpar.models.output import ModelOutput
 from hyperpar.train.objective import MicroBatchLoss, Objective, StepTotals
 from hyperpar.train.optim import clip_grad_norm
@@ -45,10 +47,17 @@ class PipelineStep:
         self.num_stages = pdims.pp * pdims.vpp
         pp_rank = pdims.submesh("pp").get_local_rank()
         self.stage_ids = local_stage_ids(pp_rank, pdims.pp, pdims.vpp)
-        ranges = stage_ranges(builder.args.num_hidden_layers, self.num_stages, list(pdims.pp_layers or []) or None)
+        args = builder.args
+        ranges = stage_ranges(text_args(args).num_hidden_layers, self.num_stages, list(pdims.pp_layers or []) or None)
+        self.vl = pipeline_vl.is_vl(args)
+        self.args = args
+        mtp_vl = self.vl and float(getattr(args, "mtp_loss_weight", 0.0)) > 0 and getattr(text_args(args), "mtp_num_hidden_layers", 0) > 0
+        carry = pipeline_vl.carry_plan(ranges, args, mtp_vl) if self.vl else [[] for _ in ranges[1:]]
         self.parts: list[nn.Module] = []
         for sid in self.stage_ids:
             part = as_stage(builder.build_meta(), ranges[sid], is_first=sid == 0, is_last=sid == self.num_stages - 1)
+            part.pp_carry_in = tuple(carry[sid - 1]) if sid > 0 else ()
+            part.pp_carry_out = tuple(carry[sid]) if sid < self.num_stages - 1 else ()
             self.parts.append(builder.spec.parallelize(part, pdims, cfg))  # TP -> CP -> EP -> AC -> FSDP, per stage
             if pdims.tp > 1 and pdims.sequence_parallel:
                 self.parts[-1].pp_stream_mesh = pdims.tp_mesh()
@@ -73,7 +82,7 @@ class PipelineStep:
         part = self.parts[-1]
         if isinstance(output, tuple):  # MoE: logits, the micro-batch's statistics of every stage (, MTP logits)
             logits, packed, *mtp = output
-            out = ModelOutput(logits, unpack_stats(packed, part.pp_num_experts), float(part.args.router_aux_loss_coef),
+            out = ModelOutput(logits, unpack_stats(packed, part.pp_num_experts), float(text_args(part.args).router_aux_loss_coef),
                               mtp[0] if mtp else None)
         else:
             out = output
@@ -96,15 +105,25 @@ class PipelineStep:
     def forward_backward(self, micro_batches: list[dict[str, torch.Tensor]], totals: StepTotals, dp_size: int):
         """Run the step's micro-batches through the schedule; returns the sums (lm loss, aux, MTP loss)
         of this rank's data and whether aux / MTP ran, equal on every stage."""
-        rows = {k: torch.cat([mb[k] for mb in micro_batches], dim=_batch_dim(k, micro_batches[0][k])).to(self.device)
-                for k in micro_batches[0]}
+        vision = None
+        if self.vl:  # images are ragged: they stay out of the schedule (see pipeline_vl)
+            rows, vision = pipeline_vl.step_inputs(micro_batches, self.args)
+            rows["row_index"] = torch.arange(rows["input_ids"].shape[0])
+            if pipeline_vl.deepstack_levels(self.args):
+                rows["visual_mask"] = pipeline_vl.visual_mask(rows["input_ids"], self.args)
+            rows = {k: v.to(self.device) for k, v in rows.items()}
+            for part in self.parts:
+                part.pp_vision = vision.to(self.device) if vision is not None and part.pp_is_first else None
+        else:
+            rows = {k: torch.cat([mb[k] for mb in micro_batches], dim=_batch_dim(k, micro_batches[0][k])).to(self.device)
+                    for k in micro_batches[0]}
         labels = rows.pop("labels")
         input_ids = rows.pop("input_ids")
         if self.pdims.cp > 1 and "position_ids" not in rows:
             # every stage's CP hooks build rotary tables and documents from whole-row positions
             B, S = input_ids.shape
             rows["position_ids"] = torch.arange(S, device=input_ids.device).unsqueeze(0).expand(B, S).contiguous()
-        if shares_embedding(self.parts[0].args) and getattr(self.parts[0].args, "mtp_loss_weight", 0) > 0:
+        if not self.vl and shares_embedding(self.parts[0].args) and getattr(self.parts[0].args, "mtp_loss_weight", 0) > 0:
             rows["token_ids"] = input_ids  # the last stage's MTP module embeds them
         if self.schedule is None:
             self._build(rows)

@@ -85,6 +85,18 @@ class Qwen3_5ForConditionalGeneration(VisionLanguageHooks, nn.Module):
         h = self.model.language_model(embeds, position_ids, attention_mask)
         return self.lm_head(h) if self.lm_head is not None else h
 
+    # --- pipeline stage hooks (hyperpar.distributed.pipeline) --------------------------------
+
+    def stage_embed(self, input_ids, position_ids=None, attention_mask=None, **vision):
+        """The first stage's input: (merged embeddings, no visual mask, no DeepStack features)."""
+        embeds, _ = self.embed(input_ids, vision.get("pixel_values"), vision.get("image_grid_thw"),
+                               vision.get("pixel_values_videos"), vision.get("video_grid_thw"), None, position_ids,
+                               attention_mask)
+        return embeds, None, []
+
+    def stage_text(self, hidden, position_ids, attention_mask, visual_mask, deepstack):
+        return self.model.language_model(hidden, position_ids, attention_mask)
+
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per text token of the text model; the vision tower is not included (its
         cost depends on the images per token)."""

@@ -146,6 +146,16 @@ class Qwen3VLMoeModel(nn.Module):
         lm = self.language_model
         if lm.embed_tokens is None:  # a later pipeline stage: input_ids are hidden states
             return lm(input_ids, position_ids, attention_mask=attention_mask)
+        embeds, position_ids, visual_mask, deepstack = self.embed(
+            input_ids, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw, mm_token_type_ids, position_ids,
+            attention_mask)
+        return lm(embeds, position_ids, visual_mask, deepstack, attention_mask)
+
+    def embed(self, input_ids, pixel_values=None, image_grid_thw=None, pixel_values_videos=None, video_grid_thw=None,
+              mm_token_type_ids=None, position_ids=None, attention_mask=None):
+        """(merged input embeddings (B, S, H), positions, the visual mask (B, S) or None, the DeepStack
+        features per level): everything before the text decoder."""
+        lm = self.language_model
         a = self.args
         embeds = lm.embed_tokens(input_ids)
         image, video = tower_features(self.visual, self.args.vision.merge_unit, pixel_values, image_grid_thw,
@@ -165,7 +175,7 @@ class Qwen3VLMoeModel(nn.Module):
                 input_ids, mm_token_type_ids, image_grid_thw, video_grid_thw,
                 spatial_merge_size=a.vision.spatial_merge_size, attention_mask=attention_mask,
             )
-        return lm(embeds, position_ids, visual_mask, deepstack, attention_mask)
+        return embeds, position_ids, visual_mask, deepstack
 
 
 class Qwen3VLMoeForConditionalGeneration(VisionLanguageHooks, nn.Module):
@@ -216,6 +226,18 @@ class Qwen3VLMoeForConditionalGeneration(VisionLanguageHooks, nn.Module):
             )
         logits = self.lm_head(hidden) if self.lm_head is not None else hidden
         return ModelOutput.of(logits, stats, self.args.text.router_aux_loss_coef)
+
+    # --- pipeline stage hooks (hyperpar.distributed.pipeline) --------------------------------
+
+    def stage_embed(self, input_ids, position_ids=None, attention_mask=None, **vision):
+        """The first stage's input: (merged embeddings, visual mask or None, DeepStack features per level)."""
+        embeds, _, visual_mask, deepstack = self.model.embed(input_ids, position_ids=position_ids,
+                                                             attention_mask=attention_mask, **vision)
+        return embeds, visual_mask, list(deepstack)
+
+    def stage_text(self, hidden, position_ids, attention_mask, visual_mask, deepstack):
+        """The stage's decoder layers; ``deepstack[n]`` (None where no layer of the stage reads it)."""
+        return self.model.language_model(hidden, position_ids, visual_mask, deepstack, attention_mask)
 
     # --- framework hooks (see hyperpar.models.spec) -----------------------------------------
 
