@@ -115,7 +115,7 @@ def test_stage_statistics_add_up_to_the_whole_model():
     (["parallel=pp2_1f1b", "train.global_batch_size=1"], "needs at least pp=2 micro-batches"),
     (["parallel=pp2", "parallel.pp_schedule=interleaved_1f1b"], "interleaved_1f1b needs vpp > 1"),
     (["parallel=pp2", "parallel.pp_layers=[3,3]"], "parallel.pp_layers=[3, 3] must give 2 stages"),
-    (["parallel=pp2", "parallel.pp_schedule=zero_bubble"], "zero_bubble not supported yet"),
+    (["parallel=pp2_zb", "parallel.vpp=2", "train.pp_microbatches=1"], "needs at least pp=2 micro-batches"),
 ])
 def test_plan_refuses_what_is_not_built(overrides, message):
     from hyperpar.errors import PlanError
@@ -200,6 +200,25 @@ def test_moe_mtp_pp2_tracks_single(tmp_path):
     single = run(tmp_path / "single", [*mtp, "parallel=single"])
     got = run(tmp_path / "pp2", [*mtp, "parallel=pp2_1f1b"])
     check_parity(single, got, "qwen3_5_moe + MTP pp2_1f1b", keys=("loss", "aux_loss", "mtp_loss", "grad_norm"))
+
+
+def test_zero_bubble_matches_single(tmp_path):
+    """Zero bubble (input and weight gradients in separate passes, the weight pass later) on 2 stages
+    and on 2 x 2 virtual stages, MoE with aux loss: the same gradients as one process."""
+    model = ["model=qwen3_5_moe"]
+    single = run(tmp_path / "single", [*model, "parallel=single"])
+    for name, extra in (("pp2_zb", []), ("pp2_zb_vpp2", ["parallel.vpp=2"])):
+        got = run(tmp_path / name, [*model, "parallel=pp2_zb", *extra])
+        check_parity(single, got, f"qwen3_5_moe {name}", keys=("loss", "aux_loss", "grad_norm"))
+
+
+@pytest.mark.full
+def test_zero_bubble_with_fsdp_and_full_ac_matches_single(tmp_path):
+    """FSDP units kept gathered to the weight pass; checkpointed blocks recompute in the input pass."""
+    single = run(tmp_path / "single", ["model=qwen3_5_moe", "parallel=single"])
+    got = run(tmp_path / "zb", ["model=qwen3_5_moe", "parallel=fsdp2_pp2", "parallel.pp_schedule=zero_bubble",
+                                "train.activation_checkpoint=full"])
+    check_parity(single, got, "qwen3_5_moe fsdp2_pp2 zero_bubble + full AC", keys=("loss", "aux_loss", "grad_norm"))
 
 
 @pytest.mark.slow

@@ -35,7 +35,6 @@ PP_FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_5_vl", "qwen3_5_moe_vl", "qwen3_
 # What ``PipelineJob.check`` refuses today, as the support matrix page lists it.
 NOT_BUILT = (
     ("`parallel.pp` > 1 with `cp` > 1 for the VL families", 'not built yet: "pp with cp for qwen3_vl_moe not supported yet"'),
-    ("`parallel.pp_schedule=zero_bubble`", 'not built yet: "pp_schedule=zero_bubble not supported yet"'),
 )
 
 
@@ -333,9 +332,16 @@ def build_schedule(name: str, stages: list, n_microbatches: int, loss_fn, kwargs
         if name == "interleaved_1f1b":
             return ScheduleInterleaved1F1B(stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False,
                                            kwargs_chunk_spec=kwargs_chunk_spec)
+        if name == "zero_bubble":
+            from torch.distributed.pipelining import ScheduleInterleavedZeroBubble
+
+            # backward split into the input-gradient pass (sent on at once) and the weight-gradient
+            # pass (run later, where 1F1B would idle); looped placement like interleaved_1f1b
+            return ScheduleInterleavedZeroBubble(stages, n_microbatches=n_microbatches, loss_fn=loss_fn,
+                                                 scale_grads=False, kwargs_chunk_spec=kwargs_chunk_spec)
     except ValueError as e:  # torch's own checks of the micro-batch count
         raise PlanError(f"pipeline schedule {name}: {e}", hint="change train.pp_microbatches") from None
-    raise PlanError(f"parallel.pp_schedule={name} not supported yet", hint="use gpipe, 1f1b or interleaved_1f1b")
+    raise PlanError(f"parallel.pp_schedule={name} not supported", hint="use gpipe, 1f1b, interleaved_1f1b or zero_bubble")
 
 
 # ---- what the plan refuses --------------------------------------------------------------------------
@@ -365,11 +371,9 @@ class PipelineJob:
 
         if is_vl(args) and pdims.cp > 1:
             raise PlanError(f"pp with cp for {model_name} not supported yet", hint="set parallel.cp=1 or parallel.pp=1")
-        if (schedule == "interleaved_1f1b") != (pdims.vpp > 1):
+        if schedule in ("gpipe", "1f1b", "interleaved_1f1b") and (schedule == "interleaved_1f1b") != (pdims.vpp > 1):
             raise PlanError(f"parallel.pp_schedule={schedule} with vpp {pdims.vpp}: interleaved_1f1b needs vpp > 1, "
                             "gpipe and 1f1b need vpp 1")
-        if schedule == "zero_bubble":
-            raise PlanError("pp_schedule=zero_bubble not supported yet", hint="use gpipe, 1f1b or interleaved_1f1b")
         t = cfg.train
         local_rows = t.global_batch_size // pdims.dp
         n = int(t.pp_microbatches) if t.pp_microbatches else local_rows // t.micro_batch_size
