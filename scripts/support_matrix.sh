@@ -9,9 +9,10 @@ run=(train.seq_len=32 train.global_batch_size=4 train.micro_batch_size=1 launch.
      parity.tolerance_step=1e-5 "$@")
 dense=single,ddp2,fsdp2,hsdp2x2,tp2,fsdp_tp2,hsdp2_tp2,fsdp2_tp2_nosp,cp2,fsdp2_cp2,hsdp2_cp2,tp2_cp2
 moe=$dense,ep2,fsdp4_ep2,fsdp2_tp2_ep2,fsdp2_cp2_ep2
-pp=pp2,pp2_1f1b,pp2_vpp2,fsdp2_pp2  # pipeline layouts: the text families only for now
+pp=pp2,pp2_1f1b,pp2_vpp2,pp2_zb,fsdp2_pp2,tp2_pp2  # pipeline layouts (every family)
 sweeps=()
-for spec in qwen3_5:$dense,$pp qwen3_5_vl:$dense qwen3_5_moe:$moe,$pp qwen3_5_moe_vl:$moe qwen3_vl_moe:$moe; do
+for spec in qwen3_5:$dense,$pp,cp2_pp2 qwen3_5_vl:$dense,$pp qwen3_5_moe:$moe,$pp,cp2_pp2,ep2_pp2 \
+            qwen3_5_moe_vl:$moe,$pp,ep2_pp2 qwen3_vl_moe:$moe,$pp,ep2_pp2; do
   model=${spec%%:*} layouts=${spec#*:}
   extra=()
   [[ $model == qwen3_5_moe* ]] && extra=(model.mtp_loss_weight=0.3)  # the MTP head trains too

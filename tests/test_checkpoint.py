@@ -61,7 +61,7 @@ def test_explicit_load_path_into_a_new_run(single_base, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["ddp2", "fsdp2", "hsdp2x2"])
+@pytest.mark.parametrize("layout", ["ddp2", "fsdp2", pytest.param("hsdp2x2", marks=pytest.mark.full)])
 def test_multiprocess_stop_and_resume_is_bitwise(tmp_path, layout):
     base, run = tmp_path / "base", tmp_path / "run"
     res = cli_small(base, [f"parallel={layout}"])
@@ -76,7 +76,7 @@ def test_multiprocess_stop_and_resume_is_bitwise(tmp_path, layout):
     assert records(run) == records(base)  # steps 11-20 (and 1-10) bitwise equal
 
 
-@pytest.mark.slow
+@pytest.mark.full  # CI keeps cross-layout resume: cp2 <-> fsdp2, ep2 <-> single, fsdp2_tp2_pp2 -> single
 def test_fsdp4_checkpoint_resumes_on_fsdp2_and_single(tmp_path):
     """DCP reshards: a 4-way sharded checkpoint continues on 2 ranks and on 1 within 1e-5 of the uninterrupted run.
     The fsdp4 run also exports HF at the end from its DTensors (gathered on rank 0)."""

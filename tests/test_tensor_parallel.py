@@ -159,7 +159,7 @@ def _export_reloads(run: Path) -> None:
     assert diff <= 1e-5
 
 
-@pytest.mark.slow
+@pytest.mark.full  # CI keeps the bf16 single-vs-fsdp2 run (test_bf16_parity.py)
 def test_bf16_vl_moe_single_vs_fsdp_tp2_100_steps(tmp_path: Path) -> None:
     """bf16 params, fp32 reduce: the mean loss over 100 steps of fsdp_tp2 is within 5e-3 of single's."""
     bf16 = ["model=qwen3_vl_moe", "train.mixed_precision.param_dtype=bfloat16", "train.steps=100",
