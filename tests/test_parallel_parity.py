@@ -29,6 +29,17 @@ def test_two_ranks_match_one_rank(tmp_path):
     assert json.loads((sweep / "parity.json").read_text())["passed"] is True
 
 
+@pytest.mark.full
+def test_fsdp_units_kept_gathered_match_one_rank(tmp_path):
+    """parallel.fsdp_reshard_after_forward=false: no second all-gather in the backward, same losses."""
+    sweep = tmp_path / "sweep"
+    res = run_cli(["-m", "parallel=single,fsdp2", "parallel.fsdp_reshard_after_forward=false", "+experiment=parity", *SMALL,
+                   "train.steps=3", f"hydra.sweep.dir={sweep}"], cwd=tmp_path, timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    base, fsdp = read_losses(sweep / "0"), read_losses(sweep / "1")
+    assert max(abs(base[s] - fsdp[s]) for s in base) <= 1e-5 and base[1] != base[3]
+
+
 @pytest.mark.slow
 def test_parity_sweep_all_dp_layouts(tmp_path):
     sweep = tmp_path / "sweep"

@@ -63,6 +63,8 @@ class ParallelConfig:
     sequence_parallel: bool = True
     vision_tp: bool = False
     replicate_kv_heads: bool = True
+    # false: FSDP units stay gathered from forward to backward (no second all-gather; every unit held)
+    fsdp_reshard_after_forward: bool = True
 
 
 @dataclass

@@ -34,6 +34,7 @@ class Plan:
     pp_setup: str = ""  # stages, layers per stage, schedule, micro-batches (pp > 1)
     row_padding: str = ""  # seq_len padded to the sequence split (cp, tp under SP)
     compile: bool = False
+    units_kept: bool = False  # FSDP units stay gathered from forward to backward (every unit counted)
 
     @property
     def ok(self) -> bool:
@@ -56,7 +57,8 @@ class Plan:
             *(["compile     torch.compile per decoder block (attention core, delta rule, MoE block eager)"]
               if self.compile else []),
             f"memory/rank params {self.mem_params_mb:.1f} MB + grads {self.mem_grads_mb:.1f} MB + optimizer {self.mem_optim_mb:.1f} MB"
-            f" + gathered block {self.mem_gathered_mb:.1f} MB = {total_mem:.1f} MB (activations not included)",
+            f" + {'gathered units, kept to backward' if self.units_kept else 'gathered block'} {self.mem_gathered_mb:.1f} MB"
+            f" = {total_mem:.1f} MB (activations not included)",
             f"batch       grad accumulation {self.grad_accum} micro-batches per step",
         ]
         if self.ok:
@@ -173,7 +175,10 @@ def make_plan(cfg: DictConfig, *, strict: bool = True) -> Plan:
     meta = builder.build_meta()
     total = sum(p.numel() for p in meta.parameters())
     split_names = _tp_split_names(meta, pdims, builder.spec, t) if pdims.tp > 1 else set()
-    largest = max(_block_sizes(meta, split_names, pdims.tp), default=0)
+    blocks = list(_block_sizes(meta, split_names, pdims.tp))
+    largest = max(blocks, default=0)
+    # Units kept gathered (no reshard after forward, or the zero-bubble weight pass): a stage's all.
+    kept = not pdims.fsdp_reshard_after_forward or (pdims.pp > 1 and check_pp_schedule(pdims.pp_schedule) == "zero_bubble")
     tp_split = sum(p.numel() for n, p in meta.named_parameters() if n in split_names)
     # TP splits what its plan shards and leaves the rest whole on every tp rank; FSDP shards all of it.
     per_rank = (tp_split / pdims.tp + (total - tp_split)) / (pdims.fsdp_size * pdims.pp)
@@ -183,7 +188,7 @@ def make_plan(cfg: DictConfig, *, strict: bool = True) -> Plan:
     return Plan(
         pdims=pdims, model_desc=builder.describe(), total_params=total, largest_block_params=largest,
         params_per_rank=per_rank, tp_split_params=tp_split, tp_setup=_tp_setup(pdims, t), mem_params_mb=per_rank * master / mb, mem_grads_mb=per_rank * master / mb,
-        mem_optim_mb=2 * per_rank * master / mb, mem_gathered_mb=2 * largest * compute / mb,
+        mem_optim_mb=2 * per_rank * master / mb, mem_gathered_mb=(sum(blocks) / pdims.pp if kept else 2 * largest) * compute / mb, units_kept=kept,
         grad_accum=pdims.grad_accum_steps(t.global_batch_size, t.micro_batch_size), problems=problems,
         pp_setup=pp_job[0].describe() if pp_job and pp_job[0] else "",
         row_padding=_row_padding(pdims, t.seq_len), compile=bool(t.compile),

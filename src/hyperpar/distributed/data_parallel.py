@@ -52,6 +52,6 @@ def apply_ac_and_dp(
         reduce_dtype=dtype_of(mp.reduce_dtype),
         expert_units=experts,
         expert_mesh=parallel_dims.expert_fsdp_mesh() if experts else None,
-        reshard_after_forward=not zero_bubble,
+        reshard_after_forward=parallel_dims.fsdp_reshard_after_forward and not zero_bubble,
     )
     return model

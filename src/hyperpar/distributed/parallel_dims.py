@@ -42,6 +42,7 @@ class ParallelDims:
     sequence_parallel: bool = True
     vision_tp: bool = False
     replicate_kv_heads: bool = True
+    fsdp_reshard_after_forward: bool = True
     _mesh: Any = field(default=None, repr=False, compare=False)
     _flat: dict = field(default_factory=dict, repr=False, compare=False)
 
