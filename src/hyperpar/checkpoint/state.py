@@ -62,10 +62,11 @@ def _part_optim_keys(osd: dict[str, Any], parts: list[nn.Module]) -> dict[str, A
     from hyperpar.models.param_names import canonical_name
 
     owner = {canonical_name(n): i for i, part in enumerate(parts) for n, _ in part.named_parameters()}
+    names = set(owner)
     out = {}
     for k, v in osd.items():
         top, rest = k.split(".", 1)
-        out[f"{top}.{owner[_owner(rest, set(owner))]}.{rest}"] = v
+        out[f"{top}.{owner[_owner(rest, names)]}.{rest}"] = v
     return out
 
 

@@ -83,11 +83,10 @@ def _owners(input_ids: torch.Tensor, grid: torch.Tensor, token_id: int, merge_un
 
 def step_inputs(micro_batches: list[dict[str, torch.Tensor]], args) -> tuple[dict[str, torch.Tensor], StepVision | None]:
     """The step's per-row tensors (micro-batches concatenated along the batch) with 3-D positions
-    for every micro-batch when any holds vision, and its ``StepVision`` (None without vision)."""
+    for every micro-batch, and its ``StepVision`` (None without vision)."""
     from hyperpar.models.multimodal import get_rope_index
 
     vision = args.vision
-    has_vision = any(grid in mb and mb[grid].shape[0] > 0 for mb in micro_batches for _, grid, _ in VISION)
     per_row: list[dict[str, torch.Tensor]] = []
     parts: dict[str, list[tuple]] = {}
     offset = 0
@@ -95,16 +94,17 @@ def step_inputs(micro_batches: list[dict[str, torch.Tensor]], args) -> tuple[dic
         ids = mb["input_ids"]
         B, S = ids.shape
         rows = {k: v for k, v in mb.items() if k not in VISION_KEYS and k != "mm_token_type_ids"}
-        if has_vision:
-            pos = mb.get("position_ids")
-            if pos is None and any(mb.get(grid) is not None for _, grid, _ in VISION):
-                pos, _ = get_rope_index(ids, mb.get("mm_token_type_ids"), mb.get("image_grid_thw"), mb.get("video_grid_thw"),
-                                        spatial_merge_size=vision.spatial_merge_size, attention_mask=mb.get("attention_mask"))
-            elif pos is None:
-                pos = torch.arange(S, device=ids.device).expand(3, B, S)
-            elif pos.dim() == 2:
-                pos = pos.unsqueeze(0).expand(3, B, S)
-            rows["position_ids"] = pos
+        # Every step hands the schedule the same inputs (it keeps the chunking of its first step):
+        # positions are always explicit 3-row ones, plain 0..S-1 for a step without images.
+        pos = mb.get("position_ids")
+        if pos is None and any(mb.get(grid) is not None for _, grid, _ in VISION):
+            pos, _ = get_rope_index(ids, mb.get("mm_token_type_ids"), mb.get("image_grid_thw"), mb.get("video_grid_thw"),
+                                    spatial_merge_size=vision.spatial_merge_size, attention_mask=mb.get("attention_mask"))
+        elif pos is None:
+            pos = torch.arange(S, device=ids.device).expand(3, B, S)
+        elif pos.dim() == 2:
+            pos = pos.unsqueeze(0).expand(3, B, S)
+        rows["position_ids"] = pos
         per_row.append(rows)
         for pixels, grid, token in VISION:
             if grid in mb and mb[grid].shape[0] > 0:
