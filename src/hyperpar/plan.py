@@ -177,8 +177,7 @@ def make_plan(cfg: DictConfig, *, strict: bool = True) -> Plan:
     split_names = _tp_split_names(meta, pdims, builder.spec, t) if pdims.tp > 1 else set()
     blocks = list(_block_sizes(meta, split_names, pdims.tp))
     largest = max(blocks, default=0)
-    # Units kept gathered (no reshard after forward, or the zero-bubble weight pass): a stage's all.
-    kept = not pdims.fsdp_reshard_after_forward or (pdims.pp > 1 and check_pp_schedule(pdims.pp_schedule) == "zero_bubble")
+    kept = pdims.fsdp_units_kept  # then a stage's units are all gathered at once
     tp_split = sum(p.numel() for n, p in meta.named_parameters() if n in split_names)
     # TP splits what its plan shards and leaves the rest whole on every tp rank; FSDP shards all of it.
     per_rank = (tp_split / pdims.tp + (total - tp_split)) / (pdims.fsdp_size * pdims.pp)

@@ -50,6 +50,13 @@ def _barrier() -> None:
         dist.barrier()
 
 
+def _gather(obj: Any) -> list[Any]:
+    """``obj`` of every rank (all-gather of picklable objects)."""
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, obj)
+    return everyone
+
+
 def _model_tag(cfg: DictConfig | None) -> str | None:
     if cfg is None or "model" not in cfg:
         return None
@@ -192,9 +199,7 @@ class Checkpointer:
         if getattr(trainer, "pipeline", None) is None or not _dist():
             return set()
         own = sorted(st.flat_keys(stored))
-        everyone: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, own)
-        return {k for keys in everyone for k in keys} - set(own)
+        return {k for keys in _gather(own) for k in keys} - set(own)
 
     # ---- save ---------------------------------------------------------------------------------
     def after_step(self, trainer) -> None:
@@ -231,9 +236,7 @@ class Checkpointer:
         tensors, optim_other = st.split_state(trainer.model_parts, trainer.optimizer)
         if getattr(trainer, "pipeline", None) is not None and _dist():
             # rank 0 writes the param-group options (LR, decay) for every stage's parameters
-            everyone: list[Any] = [None] * dist.get_world_size()
-            dist.all_gather_object(everyone, optim_other)
-            optim_other = {k: v for other in everyone for k, v in other.items()}
+            optim_other = {k: v for other in _gather(optim_other) for k, v in other.items()}
         with fault_hook_disk_full(step):
             return self._save(trainer, step, tmp, tensors, optim_other)
 
@@ -290,9 +293,7 @@ class Checkpointer:
         fault_hook_in_save(step)
         # Each rank hashes what it wrote; the gather doubles as the barrier "every rank's files are written".
         own = integrity.checksum_files(tmp, integrity.rank_files(tmp, self.rank))
-        parts: list[Any] = [None] * self.world_size if _dist() else [own]
-        if _dist():
-            dist.all_gather_object(parts, own)
+        parts = _gather(own) if _dist() else [own]
         final = self.root / d.step_name(step)
         if self.rank == 0:
             merged = {k: v for part in parts for k, v in (part or {}).items()}

@@ -39,11 +39,6 @@ def apply_ac_and_dp(
         log.info("train.compile: %d decoder blocks compiled (attention core, delta rule, MoE block eager)", n)
     mp = train_cfg.mixed_precision
     experts = list(expert_parallel_modules(model)) if parallel_dims.ep > 1 else []
-    # The zero-bubble schedule computes weight gradients after the input gradients, from the graph
-    # the forward recorded: the parameters it holds must stay gathered until then.
-    from hyperpar.plan import check_pp_schedule
-
-    zero_bubble = parallel_dims.pp > 1 and check_pp_schedule(parallel_dims.pp_schedule) == "zero_bubble"
     apply_fsdp(
         model,
         [block for group in groups for block in group.values()],
@@ -52,6 +47,6 @@ def apply_ac_and_dp(
         reduce_dtype=dtype_of(mp.reduce_dtype),
         expert_units=experts,
         expert_mesh=parallel_dims.expert_fsdp_mesh() if experts else None,
-        reshard_after_forward=parallel_dims.fsdp_reshard_after_forward and not zero_bubble,
+        reshard_after_forward=not parallel_dims.fsdp_units_kept,
     )
     return model

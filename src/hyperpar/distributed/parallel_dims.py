@@ -146,6 +146,15 @@ class ParallelDims:
         return self.cp * (self.tp if self.sequence_parallel else 1)
 
     @property
+    def fsdp_units_kept(self) -> bool:
+        """FSDP units stay gathered from forward to backward: asked for, or the zero-bubble schedule,
+        whose weight-gradient pass runs on the graph the forward recorded after the input pass."""
+        from hyperpar.plan import check_pp_schedule
+
+        zero_bubble = self.pp > 1 and check_pp_schedule(self.pp_schedule) == "zero_bubble"
+        return not self.fsdp_reshard_after_forward or zero_bubble
+
+    @property
     def dp(self) -> int:
         return self.dp_replicate * self.dp_shard
 

@@ -231,11 +231,12 @@ class StageForward:
 def shares_embedding(args) -> bool:
     """The last stage needs the embedding too: a tied head, or (text models) a trained MTP module
     that embeds tokens; a VL model's MTP module reads the merged embeddings carried from the first stage."""
+    from hyperpar.distributed.pipeline_vl import is_vl
+
     if bool(getattr(args, "tie_word_embeddings", False)):
         return True
-    t = text_args(args)
-    mtp_weight = float(getattr(args, "mtp_loss_weight", 0.0) or getattr(t, "mtp_loss_weight", 0.0))
-    return not hasattr(args, "vision") and int(getattr(t, "mtp_num_hidden_layers", 0)) > 0 and mtp_weight > 0
+    return not is_vl(args) and (
+        int(getattr(args, "mtp_num_hidden_layers", 0)) > 0 and float(getattr(args, "mtp_loss_weight", 0.0)) > 0)
 
 
 def keep_stats_fp32(stage: nn.Module) -> None:
@@ -371,7 +372,7 @@ class PipelineJob:
 
         if is_vl(args) and pdims.cp > 1:
             raise PlanError(f"pp with cp for {model_name} not supported yet", hint="set parallel.cp=1 or parallel.pp=1")
-        if schedule in ("gpipe", "1f1b", "interleaved_1f1b") and (schedule == "interleaved_1f1b") != (pdims.vpp > 1):
+        if schedule != "zero_bubble" and (schedule == "interleaved_1f1b") != (pdims.vpp > 1):
             raise PlanError(f"parallel.pp_schedule={schedule} with vpp {pdims.vpp}: interleaved_1f1b needs vpp > 1, "
                             "gpipe and 1f1b need vpp 1")
         t = cfg.train
