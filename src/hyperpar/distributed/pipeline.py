@@ -120,6 +120,7 @@ class StageForward:
     pp_carry_in: tuple[str, ...] = ()
     pp_carry_out: tuple[str, ...] = ()
     pp_vision = None  # first VL stage: the step's StepVision, set before each schedule step
+    pp_idle_tower_rows: frozenset[int] = frozenset()  # first rows of the micro-batches that run the tower on no images
 
     def forward(self, x: torch.Tensor, *carried: torch.Tensor, position_ids: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None, token_ids: torch.Tensor | None = None,
@@ -185,14 +186,17 @@ class StageForward:
         """A VL stage: the first embeds its rows' tokens and images (vision tower, placeholder scatter,
         DeepStack features); every stage runs its decoder layers, adding the DeepStack levels they
         own; the last one the head (and the MTP step on the carried merged embeddings)."""
+        from hyperpar.models.multimodal import tower_runs_without_items
         from hyperpar.models.output import ModelOutput
 
         levels: dict[int, torch.Tensor] = {}
         with record_router_stats() as sink:
             if self.pp_is_first:
-                vision = self.pp_vision.rows(int(row_index[0]), int(row_index[-1]) + 1) if self.pp_vision else {}
-                x, visual_mask, features = self.stage_embed(x, position_ids=position_ids, attention_mask=attention_mask,
-                                                            **vision)
+                lo = int(row_index[0])
+                vision = self.pp_vision.rows(lo, int(row_index[-1]) + 1) if self.pp_vision else {}
+                with tower_runs_without_items(not vision and lo in self.pp_idle_tower_rows):
+                    x, visual_mask, features = self.stage_embed(x, position_ids=position_ids,
+                                                                attention_mask=attention_mask, **vision)
                 embeds = x
                 levels = dict(enumerate(features))
             else:

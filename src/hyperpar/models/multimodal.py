@@ -9,11 +9,15 @@
 - ``embed_with_vision``: the whole front of a DeepStack-free VL model (Qwen3.5 dense and MoE):
   token embeddings, tower features over the placeholders, 3-D positions.
 - ``VisionLanguageHooks``: the framework hooks (tying, init, buffers) every VL model shares.
+- ``tower_runs_without_items``: within it, a call without images or videos still runs the tower
+  (data-parallel ranks must run the same collectives, see its docstring).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -174,6 +178,33 @@ class DeepStackInjection(nn.Module):
         return add_deepstack(hidden, visual_mask, feature)
 
 
+_IDLE_TOWER: ContextVar[bool] = ContextVar("hyperpar_idle_tower", default=False)
+
+
+@contextmanager
+def tower_runs_without_items(active: bool = True) -> Iterator[None]:
+    """Within (when ``active``): a forward without images or videos still runs the vision tower,
+    on one blank item, and hands its features on as an empty image.
+
+    Under data parallelism every rank must run the same collectives: the tower's FSDP units
+    all-gather in forward and reduce their gradients in backward. A rank whose micro-batch has no
+    images, while another rank's has, runs the tower this way. The empty features are scattered
+    over no placeholder, so the forward is unchanged bitwise; the tower's gradients from it are
+    exact zeros, and the summed gradients equal the one-process run's."""
+    token = _IDLE_TOWER.set(active)
+    try:
+        yield
+    finally:
+        _IDLE_TOWER.reset(token)
+
+
+def _blank_item(visual: nn.Module, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(pixels, grid) of the smallest item the tower takes: one merge block of zero patches."""
+    a = visual.args
+    m = a.spatial_merge_size
+    return torch.zeros(m * m, a.patch_dim, device=device), torch.tensor([[1, m, m]], device=device)
+
+
 def tower_features(
     visual: nn.Module | None,
     merge_unit: int,
@@ -191,7 +222,10 @@ def tower_features(
         items.append((pixels, grid) if pixels is not None and grid.shape[0] > 0 else None)
     present = [it for it in items if it is not None]
     if not present:
-        return None, None
+        if visual is None or not _IDLE_TOWER.get():
+            return None, None
+        feats, deep = visual(*_blank_item(visual, next(visual.parameters()).device))
+        return (feats[:0], [d[:0] for d in deep]), None  # an empty image: no placeholder takes it
     if visual is None:
         raise DataError("this pipeline stage has no vision tower but received pixel values")
     # One tower pass for images and videos together: items are independent (per-item positions,

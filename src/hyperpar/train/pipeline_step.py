@@ -28,6 +28,7 @@ from hyperpar.distributed.pipeline import (
     unpack_stats,
 )
 from hyperpar.distributed import pipeline_vl
+from hyperpar.distributed.vision_sync import idle_tower_forwards
 from hyperpar.models.output import ModelOutput
 from hyperpar.train.objective import MicroBatchLoss, Objective, StepTotals
 from hyperpar.train.optim import clip_grad_norm
@@ -114,6 +115,8 @@ class PipelineStep:
             rows = {k: v.to(self.device) for k, v in rows.items()}
             for part in self.parts:
                 part.pp_vision = vision.to(self.device) if vision is not None and part.pp_is_first else None
+            if 0 in self.stage_ids:
+                self._mark_idle_towers(rows["input_ids"].shape[0], vision)
         else:
             rows = {k: torch.cat([mb[k] for mb in micro_batches], dim=_batch_dim(k, micro_batches[0][k])).to(self.device)
                     for k in micro_batches[0]}
@@ -152,6 +155,15 @@ class PipelineStep:
         # The trainer divides the aux sum by its micro-batch count (the loader's), ours may differ.
         aux = sums[1] * len(micro_batches) / self.n_microbatches
         return sums[0], aux, sums[2], bool(sums[3].item() > 0), bool(sums[4].item() > 0)
+
+    def _mark_idle_towers(self, n_rows: int, vision) -> None:
+        """The first stage's micro-batches that run the vision tower without images, because
+        another data-parallel rank's same micro-batch has some (see distributed/vision_sync)."""
+        chunks = torch.arange(n_rows).tensor_split(self.n_microbatches)  # the schedule's split
+        local = [vision is not None and bool(vision.rows(int(c[0]), int(c[-1]) + 1)) for c in chunks]
+        idle = idle_tower_forwards(local, self.pdims.submesh("dp_cp").get_group(), self.device)
+        for part in self.parts:
+            part.pp_idle_tower_rows = frozenset(int(c[0]) for c, i in zip(chunks, idle) if i)
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         skip = self.shared.duplicate

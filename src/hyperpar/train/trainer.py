@@ -11,7 +11,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hyperpar.distributed.pipeline_vl import is_vl
+from hyperpar.distributed.vision_sync import has_vision, idle_tower_forwards
 from hyperpar.errors import TrainingError
+from hyperpar.models.multimodal import tower_runs_without_items
 from hyperpar.train.objective import Objective
 from hyperpar.train.metrics import MetricsWriter
 from hyperpar.train.optim import clip_grad_norm
@@ -79,6 +82,8 @@ class Trainer:
         self.tokens_seen = 0
         self.samples_seen = 0
         self.loss_group = parallel_dims.submesh("dp_cp").get_group()
+        # VL: the ranks whose vision towers run their FSDP collectives together (see vision_sync).
+        self.vision_group = self.loss_group if pipeline is None and is_vl(getattr(model, "args", None)) else None
         self.history: list[float] = []
 
     def _sum_over_dp(self, value: torch.Tensor) -> torch.Tensor:
@@ -105,12 +110,13 @@ class Trainer:
             loss_sum, aux_sum, mtp_sum, saw_aux, saw_mtp = self.pipeline.forward_backward(micro_batches, totals,
                                                                                           self.loader.dp_size)
             micro_batches = []  # the schedule ran them
+        idle_tower = idle_tower_forwards([has_vision(mb) for mb in micro_batches], self.vision_group, self.device)
         for i, mb in enumerate(micro_batches):
             for part in self.model_parts:
                 if hasattr(part, "set_requires_gradient_sync"):
                     # Reduce gradients once per optimizer step, after the last micro-batch.
                     part.set_requires_gradient_sync(i == n - 1)
-            with self.objective.context():
+            with self.objective.context(), tower_runs_without_items(idle_tower[i]):
                 out = self.model(**_model_inputs(mb, self.device))
                 objective, parts = self.objective(out, labels[i], totals)
                 objective.backward()
