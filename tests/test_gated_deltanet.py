@@ -113,3 +113,22 @@ def test_layer_matches_transformers() -> None:
     assert (x.grad - gx).abs().max().item() <= 1e-5
     for n, p in ours.named_parameters():
         assert (p.grad - ref_grads[n]).abs().max().item() <= 1e-5 * max(1.0, ref_grads[n].abs().max().item()), n
+
+
+@pytest.mark.full  # two compilations, ~70 s on 2 cores; tests/test_compile.py compiles the rule in CI
+def test_compiled_rule_matches_eager() -> None:
+    """train.compile runs the chunked rule as its own compiled graph: same output and gradients as
+    eager within fp32 rounding, with and without packed documents (a tail chunk that is padded)."""
+    from hyperpar.models.layers.gated_deltanet import compiled_chunk_gated_delta_rule
+
+    seg = torch.tensor([[0] * 20 + [1] * 30 + [2] * 20, [0] * 70])
+    w = torch.randn(2, 70, 4, 32, generator=torch.Generator().manual_seed(3))
+    for segment_ids in (None, seg):
+        results = []
+        for rule in (chunk_gated_delta_rule, compiled_chunk_gated_delta_rule()):
+            x = [t.requires_grad_() for t in inputs(70, seed=4)]
+            out = rule(*x, 32, segment_ids=segment_ids)
+            (out * w).sum().backward()
+            results.append([out.detach(), *(t.grad for t in x)])
+        for eager, compiled in zip(*results):
+            assert (eager - compiled).abs().max().item() <= 1e-5

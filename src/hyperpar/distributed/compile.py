@@ -1,13 +1,14 @@
-"""``train.compile``: ``torch.compile`` per decoder block, the sequence kernels left eager.
+"""``train.compile``: ``torch.compile`` per decoder block, the sequence kernels at its seams apart.
 
 Each block (inside its activation-checkpoint wrapper, so recomputation runs the compiled code too)
 is compiled in place (``module.compile()``: parameter names and checkpoint keys do not change).
-The kernels at the model's seams stay eager: the attention core and the gated delta rule (they
-read packed-document layouts whose lengths are Python values, which would recompile per batch; the
-chunked delta rule unrolls into a long graph) and the MoE block (data-dependent expert counts,
-router statistics published to the objective). What compiles is the rest of the block: norms,
-projections, gating, the SwiGLU MLP, residual adds. Measured on dense_small (CPU, 2 threads): see
-docs/guide/performance.md.
+The kernels at the model's seams stay out of the block's graph: the attention core and the gated
+delta rule module (they read packed-document layouts whose lengths are Python values, which would
+recompile per batch) and the MoE block (data-dependent expert counts, router statistics published
+to the objective). What compiles with the block is the rest: norms, projections, gating, the
+SwiGLU MLP, residual adds. The chunked delta rule itself (fixed shapes for a given sequence length;
+document ids are values, not shapes) is compiled as a graph of its own. Measured on dense_small
+(CPU, 2 threads): see docs/guide/performance.md.
 """
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ def _eager_kernel_types() -> tuple[type, ...]:
 
 def compile_blocks(blocks: Iterable[nn.Module]) -> int:
     """Compile every block in place, its kernels excluded; returns how many were compiled."""
+    from hyperpar.models.layers.gated_deltanet import GatedDeltaRule
+
     kernels = _eager_kernel_types()
     n = 0
     for block in blocks:
@@ -52,6 +55,8 @@ def compile_blocks(blocks: Iterable[nn.Module]) -> int:
         for m in inner.modules():
             if isinstance(m, kernels):
                 m.forward = torch.compiler.disable(m.forward)
+            if isinstance(m, GatedDeltaRule):
+                m.compiled = True
         inner.compile()
         n += 1
     return n
