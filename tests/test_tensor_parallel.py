@@ -99,6 +99,8 @@ RUN = ["train.seq_len=32", "train.global_batch_size=4", "train.micro_batch_size=
        "train.steps=8"]
 
 
+# CI budget: qwen3_vl_moe under tp runs in CI inside tests/test_pipeline.py (tp2_pp2).
+@pytest.mark.full
 def test_parity_sweep_tp_layouts_vl_moe(tmp_path: Path) -> None:
     """The headline: qwen3_vl_moe (images and videos) under tp2, fsdp_tp2 and hsdp2_tp2 matches single
     per step through the CLI's parity sweep (which exits non-zero on any miss)."""
@@ -113,6 +115,9 @@ def test_parity_sweep_tp_layouts_vl_moe(tmp_path: Path) -> None:
     assert report
 
 
+# CI budget: a tp checkpoint resumed under single and its export run in CI in tests/test_pipeline.py
+# (the 8-process dp_shard 2 x tp 2 x pp 2 test).
+@pytest.mark.full
 def test_checkpoint_crosses_tp_layouts_and_export_reloads(tmp_path: Path) -> None:
     """Saved under fsdp_tp2 at step 4, resumed under single and fsdp2, and single's resumed under
     fsdp_tp2: steps 5-8 equal an uninterrupted single run; the TP run's HF export at the end reloads

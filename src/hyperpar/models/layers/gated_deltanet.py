@@ -91,15 +91,13 @@ def causal_depthwise_conv1d(
     inputs before the start of t's document (``doc``; else of its row) counting as zero.
 
     x: (B, S, C); weight: (C, 1, K) (the nn.Conv1d layout of the checkpoint) or (C, K). Computed in the
-    weight's dtype, in fp32 for 16-bit weights, then silu (if asked), then cast to x's dtype (the
-    rounding point of transformers' conv). Written as K shifted multiply-adds in the (B, S, C)
-    layout: for K = 4 this is several times faster on CPU than a grouped ``F.conv1d`` (which also
-    needs two transposes). 16-bit taps would round after every tap, and on CPU they are slower than
-    fp32 ones (bf16: 25 ms against 16 ms forward + backward at B=2, S=1024, C=512, 2 threads).
+    weight's dtype, then silu (if asked), then cast to x's dtype (as transformers does). Written as
+    K shifted multiply-adds in the (B, S, C) layout: for K = 4 this is several times faster on CPU
+    than a grouped ``F.conv1d`` (which also needs two transposes). (Accumulating 16-bit taps in
+    fp32 is faster on CPU, but moves the bf16 rounding enough to flip a near-tied MoE route
+    against transformers' bf16 model: tests/test_qwen3_5_moe_parity.py.)
     """
     w = weight.view(weight.shape[0], weight.shape[-1])
-    if w.dtype in (torch.bfloat16, torch.float16):
-        w = w.float()
     fixups = doc.conv_fixups(w.shape[1]) if doc is not None else None
     y = _CausalConvSilu.apply(x.to(w.dtype).contiguous(), w, silu, fixups)
     return y.to(x.dtype)
