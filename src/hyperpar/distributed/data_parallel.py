@@ -36,7 +36,8 @@ def apply_ac_and_dp(
     if train_cfg.compile:
         check_compile(parallel_dims, train_cfg)
         n = compile_blocks(layers.values())  # the text decoder's blocks (vision blocks stay eager)
-        log.info("train.compile: %d decoder blocks compiled (attention core, delta rule, MoE block eager)", n)
+        log.info("train.compile: %d decoder blocks compiled (attention core and MoE block eager, "
+                 "the chunked delta rule a graph of its own)", n)
     mp = train_cfg.mixed_precision
     experts = list(expert_parallel_modules(model)) if parallel_dims.ep > 1 else []
     apply_fsdp(

@@ -12,7 +12,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-GRID_KEYS = ("image_grid_thw", "video_grid_thw")
+from hyperpar.distributed.pipeline_vl import VISION
+
+GRID_KEYS = tuple(grid for _, grid, _ in VISION)
 
 
 def has_vision(batch: dict[str, torch.Tensor]) -> bool:
