@@ -13,6 +13,9 @@ per step, and the ratio transformers / ours (> 1: ours is faster). With ``--fsdp
     python bench/trainer_vs_transformers.py --config dense_small --dtype bf16
     python bench/trainer_vs_transformers.py --config moe_small --dtype fp32
     python bench/trainer_vs_transformers.py --config dense_small --fsdp --no-transformers
+
+Our trainer flushes subnormal floats to zero on CPU (``launch.flush_denormals``, default on);
+``--transformers-ftz`` also times transformers with the same CPU mode, to tell that gain apart.
 """
 
 from __future__ import annotations
@@ -65,6 +68,8 @@ import json, sys, time, torch
 from hyperpar.device import _cpu_peak
 ckpt, seq, batch, steps, dtype, moe, threads = sys.argv[1], *map(int, sys.argv[2:5]), sys.argv[5], sys.argv[6] == "1", int(sys.argv[7])
 torch.set_num_threads(threads)
+if sys.argv[8] == "1":  # before the OpenMP pool starts: its threads copy the mode
+    torch.set_flush_denormal(True)
 from transformers import AutoModelForCausalLM
 model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16 if dtype == "bf16" else torch.float32).train()
 opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -84,9 +89,10 @@ for step in range(steps):
 '''
 
 
-def run_theirs(ckpt: Path, a, steps: int) -> list[dict]:
+def run_theirs(ckpt: Path, a, steps: int, ftz: bool = False) -> list[dict]:
     res = subprocess.run([sys.executable, "-c", THEIRS, str(ckpt), str(a.seq), str(a.batch), str(steps), a.dtype,
-                          "1" if is_moe(a.config) else "0", str(a.threads)], capture_output=True, text=True)
+                          "1" if is_moe(a.config) else "0", str(a.threads), "1" if ftz else "0"],
+                         capture_output=True, text=True)
     if res.returncode:
         raise SystemExit(f"transformers step failed:\n{res.stderr[-3000:]}")
     return [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
@@ -134,6 +140,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--fsdp", action="store_true", help="also time fsdp2 (threads/2 each) against single")
     ap.add_argument("--no-transformers", action="store_true")
+    ap.add_argument("--transformers-ftz", action="store_true",
+                    help="also time transformers with subnormals flushed to zero, as our trainer runs by default")
     ap.add_argument("--ours", nargs="*", default=[], help="extra overrides for our runs (e.g. train.compile=true)")
     a = ap.parse_args()
 
@@ -158,6 +166,8 @@ def main() -> None:
     sides = {"ours": lambda: run_ours(ckpt, a, a.steps, "single", work, a.ours)}
     if not a.no_transformers:
         sides["transformers"] = lambda: (run_theirs(ckpt, a, a.steps), None)
+        if a.transformers_ftz:
+            sides["transformers ftz"] = lambda: (run_theirs(ckpt, a, a.steps, ftz=True), None)
     if a.fsdp:
         sides["ours fsdp2"] = lambda: run_ours(ckpt, a, a.steps, "fsdp2", work, a.ours)
     recs: dict[str, list] = {k: [] for k in sides}
@@ -176,6 +186,8 @@ def main() -> None:
     if "transformers" in rows:
         print(f"ratio transformers / ours ({a.dtype}, {a.config}): {rows['transformers']['median_s'] / rows['ours']['median_s']:.2f}x; "
               f"peak RSS/step ours {rows['ours']['peak_mem_mb']:.0f} MB vs transformers {rows['transformers']['peak_mem_mb']:.0f} MB")
+    if "transformers ftz" in rows:
+        print(f"ratio transformers (flush-to-zero) / ours: {rows['transformers ftz']['median_s'] / rows['ours']['median_s']:.2f}x")
     if "ours fsdp2" in rows:
         print(f"fsdp2 / single step time: {rows['ours fsdp2']['median_s'] / rows['ours']['median_s']:.3f}x")
 

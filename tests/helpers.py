@@ -228,7 +228,7 @@ def _probe_trainer_cls():
         def __init__(self, **kwargs):
             import torch
 
-            from hyperpar import host_allocator
+            from hyperpar import denormals, host_allocator
 
             super().__init__(**kwargs)
             PROBES[str(kwargs["run_dir"])] = {
@@ -238,6 +238,7 @@ def _probe_trainer_cls():
                 "checkpointed_blocks": sum("CheckpointWrapper" in type(m).__name__ for m in self.model.modules()),
                 "peak_flops": self.peak_flops,
                 "host_allocator": host_allocator.applied(),
+                "flush_denormals": denormals.applied(),
             }
 
     return ProbeTrainer

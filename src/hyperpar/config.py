@@ -147,6 +147,8 @@ class LaunchConfig:
     threads_per_rank: int = 0  # 0: cores / local ranks
     # CPU malloc policy of the training processes: retain (reuse freed step buffers) | system
     host_allocator: str = "retain"
+    # CPU: subnormal floats flushed to zero on the compute threads (much faster; see denormals.py)
+    flush_denormals: bool = True
 
 
 @dataclass

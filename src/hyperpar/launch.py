@@ -79,6 +79,7 @@ def worker_main(cfg: DictConfig, run_dir: str) -> dict[str, Any]:
     from hyperpar.data.registry import DataContext
     from hyperpar.device import resolve_device, set_deterministic
     from hyperpar.host_allocator import tune_host_allocator
+    from hyperpar import denormals
     from hyperpar.distributed.context_parallel import SequenceShard
     from hyperpar.distributed.fsdp import prime_unsharded_params
     from hyperpar.distributed.materialize import materialize
@@ -92,8 +93,11 @@ def worker_main(cfg: DictConfig, run_dir: str) -> dict[str, Any]:
     torch.set_num_threads(_threads_for(local_world, cfg.launch.threads_per_rank))
     set_deterministic(bool(cfg.train.deterministic))  # before the first kernel on the device
     dev = resolve_device(cfg.device)
+    denormals_before = denormals.applied()
     if dev.type == "cpu":  # on CPU the step's activations and gradients are host memory
         tune_host_allocator(cfg.launch.host_allocator)
+        if cfg.launch.flush_denormals:
+            denormals.flush_denormals(True)
     dev.set_device(local_rank)
     device = dev.device(local_rank)
     _init_process_group(dev.backend, rank, world)
@@ -164,6 +168,8 @@ def worker_main(cfg: DictConfig, run_dir: str) -> dict[str, Any]:
         raise
     finally:
         preemption.restore()
+        if denormals.applied() and not denormals_before:  # an in-process run hands its caller IEEE floats back
+            denormals.flush_denormals(False)
         if dist.is_initialized():
             dist.destroy_process_group()
 

@@ -1,0 +1,32 @@
+"""Flush-to-zero reaches every compute thread, including an OpenMP pool that existed before."""
+
+import subprocess
+import sys
+
+_PROBE = r"""
+import torch
+torch.set_num_threads(2)
+x = torch.full((4_000_000,), 1e-39)  # subnormal in fp32
+assert int(((x * 1.0) != 0).sum()) == x.numel()  # IEEE: kept; this also starts the OpenMP pool
+from hyperpar import denormals
+if not denormals.flush_denormals(True):
+    print("unsupported"); raise SystemExit
+flushed = int(((x * 1.0) != 0).sum())  # every thread's share of the product
+denormals.flush_denormals(False)
+kept = int(((x * 1.0) != 0).sum())
+print(flushed, kept, x.numel())
+"""
+
+
+def test_flush_reaches_every_thread_and_is_undone() -> None:
+    # A fresh process: the mode is per thread and must not leak into this test session.
+    res = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    out = res.stdout.split()
+    if out == ["unsupported"]:
+        import pytest
+
+        pytest.skip("this CPU cannot flush subnormals")
+    flushed, kept, n = map(int, out)
+    assert flushed == 0, f"{flushed} of {n} products stayed subnormal (a thread without FTZ/DAZ)"
+    assert kept == n
