@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import threading
 
 import torch
@@ -36,7 +37,9 @@ def _set_on_openmp_threads(enabled: bool, threads: int) -> int:
     """Set the mode on every thread of the OpenMP pool (the one torch's intra-op work runs on).
     Returns how many distinct threads ran the setter (0 when there is no libgomp to ask)."""
     try:
-        gomp = ctypes.CDLL("libgomp.so.1")  # the soname torch's own copy was loaded under
+        # Only a libgomp already in the process (torch's own): loading a second copy would start a
+        # pool torch never uses. RTLD_NOLOAD fails instead of loading.
+        gomp = ctypes.CDLL("libgomp.so.1", mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
         parallel = gomp.GOMP_parallel
     except (OSError, AttributeError):
         return 0

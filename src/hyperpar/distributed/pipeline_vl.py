@@ -55,6 +55,10 @@ class StepVision:
         return StepVision({k: _Items(it.pixels.to(device), it.grid.to(device), it.owner.to(device), it.patch_start.to(device))
                            for k, it in self.items.items()})
 
+    def has_items(self, lo: int, hi: int) -> bool:
+        """Whether any image or video belongs to rows [lo, hi)."""
+        return any(bool(((it.owner >= lo) & (it.owner < hi)).any()) for it in self.items.values())
+
     def rows(self, lo: int, hi: int) -> dict[str, torch.Tensor]:
         """pixel values and grids of the images / videos of rows [lo, hi) (a modality they lack is left out)."""
         out: dict[str, torch.Tensor] = {}

@@ -160,7 +160,7 @@ class PipelineStep:
         """The first stage's micro-batches that run the vision tower without images, because
         another data-parallel rank's same micro-batch has some (see distributed/vision_sync)."""
         chunks = torch.arange(n_rows).tensor_split(self.n_microbatches)  # the schedule's split
-        local = [vision is not None and bool(vision.rows(int(c[0]), int(c[-1]) + 1)) for c in chunks]
+        local = [vision is not None and vision.has_items(int(c[0]), int(c[-1]) + 1) for c in chunks]
         idle = idle_tower_forwards(local, self.pdims.submesh("dp_cp").get_group(), self.device)
         for part in self.parts:
             part.pp_idle_tower_rows = frozenset(int(c[0]) for c, i in zip(chunks, idle) if i)
