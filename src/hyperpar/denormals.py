@@ -70,5 +70,7 @@ def flush_denormals(enabled: bool) -> bool:
     reached = _set_on_openmp_threads(enabled, threads) if threads > 1 else 1
     if reached < threads:
         log.warning("flush denormals: set on %d of %d compute threads (no libgomp pool to reach)", reached, threads)
+    elif enabled:
+        log.info("CPU: subnormal floats flush to zero on %d compute thread(s) (launch.flush_denormals)", threads)
     _applied = enabled
     return True
