@@ -33,6 +33,11 @@ def applied() -> bool | None:
     return _applied
 
 
+def flushing() -> bool:
+    """Whether the calling thread flushes subnormals now (whoever set it: this module, the caller)."""
+    return bool((torch.tensor([1e-39], dtype=torch.float32) * 1.0).item() == 0.0)
+
+
 def _set_on_openmp_threads(enabled: bool, threads: int) -> int:
     """Set the mode on every thread of the OpenMP pool (the one torch's intra-op work runs on).
     Returns how many distinct threads ran the setter (0 when there is no libgomp to ask)."""

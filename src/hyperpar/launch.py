@@ -93,7 +93,7 @@ def worker_main(cfg: DictConfig, run_dir: str) -> dict[str, Any]:
     torch.set_num_threads(_threads_for(local_world, cfg.launch.threads_per_rank))
     set_deterministic(bool(cfg.train.deterministic))  # before the first kernel on the device
     dev = resolve_device(cfg.device)
-    denormals_before = denormals.applied()
+    denormals_before = denormals.flushing()  # an in-process caller's own mode is handed back as it was
     if dev.type == "cpu":  # on CPU the step's activations and gradients are host memory
         tune_host_allocator(cfg.launch.host_allocator)
         if cfg.launch.flush_denormals:
@@ -168,7 +168,7 @@ def worker_main(cfg: DictConfig, run_dir: str) -> dict[str, Any]:
         raise
     finally:
         preemption.restore()
-        if denormals.applied() and not denormals_before:  # an in-process run hands its caller IEEE floats back
+        if denormals.applied() and not denormals_before:
             denormals.flush_denormals(False)
         if dist.is_initialized():
             dist.destroy_process_group()
