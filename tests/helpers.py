@@ -238,7 +238,7 @@ def _probe_trainer_cls():
                 "checkpointed_blocks": sum("CheckpointWrapper" in type(m).__name__ for m in self.model.modules()),
                 "peak_flops": self.peak_flops,
                 "host_allocator": host_allocator.applied(),
-                "flush_denormals": denormals.applied(),
+                "flush_denormals": denormals.flushing(),
             }
 
     return ProbeTrainer

@@ -168,8 +168,8 @@ def worker_main(cfg: DictConfig, run_dir: str) -> dict[str, Any]:
         raise
     finally:
         preemption.restore()
-        if denormals.applied() and not denormals_before:
-            denormals.flush_denormals(False)
+        if denormals.flushing() != denormals_before:
+            denormals.flush_denormals(denormals_before)
         if dist.is_initialized():
             dist.destroy_process_group()
 
