@@ -370,6 +370,8 @@ EFFECTS: dict[str, Effect] = {
     "launch.threads_per_rank": Effect("run", ["launch.threads_per_rank=2"], view=probe("threads")),
     "launch.host_allocator": Effect("run", ["launch.host_allocator=system"], view=probe("host_allocator")),
     "launch.flush_denormals": Effect("run", ["launch.flush_denormals=false"], view=probe("flush_denormals")),
+    # the run: tests/test_shm_collectives.py (and every multi-rank FSDP test, shm being the default)
+    "launch.cpu_collectives": Effect("plan", ["launch.cpu_collectives=gloo"], ["parallel=fsdp2"]),
     # parity: read by the report callback of +experiment=parity (tests/test_parity_report.py); refused without it
     "parity.enabled": refused("parity", ["parity.enabled=true"], "parity.enabled"),
     "parity.tolerance_mean": refused("parity", ["parity.tolerance_mean=0.1"], "parity.tolerance_mean"),

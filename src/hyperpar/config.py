@@ -15,6 +15,8 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from hyperpar.errors import ConfigError
 from hyperpar.host_allocator import MODES as HOST_ALLOCATOR_MODES
 
+CPU_COLLECTIVES = ("shm", "gloo")  # launch.cpu_collectives (distributed/shm_collectives.py)
+
 
 @dataclass
 class MixedPrecisionConfig:
@@ -149,6 +151,8 @@ class LaunchConfig:
     host_allocator: str = "retain"
     # CPU: subnormal floats flushed to zero on the compute threads (much faster; see denormals.py)
     flush_denormals: bool = True
+    # CPU, several ranks on one host: FSDP's all-gathers and reduce-scatters through /dev/shm (shm) or gloo
+    cpu_collectives: str = "shm"
 
 
 @dataclass
@@ -244,6 +248,7 @@ _VALUE_RULES: list[tuple[str, Any, str]] = [
     ("launch.monitor_interval", lambda v: _finite(v) and v > 0, "a finite number > 0 (seconds)"),
     ("launch.threads_per_rank", lambda v: v >= 0, ">= 0 (0: cores / local ranks)"),
     ("launch.host_allocator", lambda v: v in HOST_ALLOCATOR_MODES, f"one of {', '.join(HOST_ALLOCATOR_MODES)}"),
+    ("launch.cpu_collectives", lambda v: v in CPU_COLLECTIVES, f"one of {', '.join(CPU_COLLECTIVES)}"),
     ("metrics.peak_tflops", lambda v: v is None or (_finite(v) and v > 0), "> 0 or null"),
     ("parity.tolerance_mean", lambda v: _finite(v) and v > 0, "a finite number > 0"),
     ("parity.tolerance_step", lambda v: v is None or (_finite(v) and v > 0), "> 0 or null"),

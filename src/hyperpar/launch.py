@@ -81,6 +81,7 @@ def worker_main(cfg: DictConfig, run_dir: str) -> dict[str, Any]:
     from hyperpar.host_allocator import tune_host_allocator
     from hyperpar import denormals
     from hyperpar.distributed.context_parallel import SequenceShard
+    from hyperpar.distributed import shm_collectives
     from hyperpar.distributed.fsdp import prime_unsharded_params
     from hyperpar.distributed.materialize import materialize
     from hyperpar.distributed.tensor_parallel import use_loss_parallel
@@ -118,6 +119,10 @@ def worker_main(cfg: DictConfig, run_dir: str) -> dict[str, Any]:
         parts = pipeline.parts if pipeline is not None else [builder.spec.parallelize(model, pdims, cfg)]
         model = parts[0]
         load_report: dict = {}
+        if dev.type == "cpu" and cfg.launch.cpu_collectives == "shm":
+            if n_units := shm_collectives.install(parts):
+                log.info("cpu_collectives=shm: %d FSDP units all-gather and reduce-scatter through shared "
+                         "memory (%s)", n_units, shm_collectives.SHM_DIR)
         for part in parts:
             materialize(part, device, seed=cfg.train.seed, source=builder.weight_source(), report=load_report)
             prime_unsharded_params(part)
@@ -170,6 +175,7 @@ def worker_main(cfg: DictConfig, run_dir: str) -> dict[str, Any]:
         preemption.restore()
         if denormals.flushing() != denormals_before:
             denormals.flush_denormals(denormals_before)
+        shm_collectives.release()
         if dist.is_initialized():
             dist.destroy_process_group()
 

@@ -35,6 +35,7 @@ class Plan:
     row_padding: str = ""  # seq_len padded to the sequence split (cp, tp under SP)
     compile: bool = False
     units_kept: bool = False  # FSDP units stay gathered from forward to backward (every unit counted)
+    collectives: str = ""  # CPU ranks: how FSDP's collectives travel (launch.cpu_collectives)
 
     @property
     def ok(self) -> bool:
@@ -54,6 +55,7 @@ class Plan:
             *([f"tensor par  {self.tp_setup}"] if p.tp > 1 else []),
             *([f"pipeline    {self.pp_setup}"] if self.pp_setup else []),
             *([f"rows        {self.row_padding}"] if self.row_padding else []),
+            *([f"collectives {self.collectives}"] if self.collectives else []),
             *(["compile     torch.compile per decoder block (attention core, delta rule, MoE block eager)"]
               if self.compile else []),
             f"memory/rank params {self.mem_params_mb:.1f} MB + grads {self.mem_grads_mb:.1f} MB + optimizer {self.mem_optim_mb:.1f} MB"
@@ -184,6 +186,9 @@ def make_plan(cfg: DictConfig, *, strict: bool = True) -> Plan:
     master = 4  # FSDP keeps sharded fp32 master weights, fp32 grads and fp32 AdamW moments
     compute = dtype_of(t.mixed_precision.param_dtype).itemsize
     mb = 2**20
+    # The largest FSDP unit: a block, or the root (embeddings, head, norms: what no block holds).
+    unit = max(largest, total - sum(_block_sizes(meta)))
+    reduce = dtype_of(t.mixed_precision.reduce_dtype).itemsize
     return Plan(
         pdims=pdims, model_desc=builder.describe(), total_params=total, largest_block_params=largest,
         params_per_rank=per_rank, tp_split_params=tp_split, tp_setup=_tp_setup(pdims, t), mem_params_mb=per_rank * master / mb, mem_grads_mb=per_rank * master / mb,
@@ -191,4 +196,20 @@ def make_plan(cfg: DictConfig, *, strict: bool = True) -> Plan:
         grad_accum=pdims.grad_accum_steps(t.global_batch_size, t.micro_batch_size), problems=problems,
         pp_setup=pp_job[0].describe() if pp_job and pp_job[0] else "",
         row_padding=_row_padding(pdims, t.seq_len), compile=bool(t.compile),
+        collectives=_collectives(cfg, pdims, unit * compute / mb, unit * reduce / mb),
     )
+
+
+def _collectives(cfg: DictConfig, pdims: ParallelDims, unit_mb: float, unit_reduce_mb: float) -> str:
+    """CPU ranks sharding FSDP units: FSDP's all-gathers and reduce-scatters through /dev/shm or gloo."""
+    from hyperpar.device import resolve_device
+
+    if pdims.fsdp_size == 1 or resolve_device(cfg.device).type != "cpu":
+        return ""
+    if cfg.launch.cpu_collectives == "gloo":
+        return "gloo for every collective (launch.cpu_collectives=gloo)"
+    # One file per shard group and kind: all-gather slots of one shard each, reduce-scatter slots of one
+    # whole unit each (FSDP's reduce-scatter input, written there directly).
+    shm_mb = unit_mb + pdims.fsdp_size * unit_reduce_mb
+    return (f"FSDP all-gathers and reduce-scatters through shared memory (/dev/shm, about {shm_mb:.0f} MB "
+            "for the largest unit, shared by the host's ranks); the rest on gloo (launch.cpu_collectives=shm)")

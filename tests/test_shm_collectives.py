@@ -1,0 +1,180 @@
+"""FSDP's all-gathers and reduce-scatters through shared memory (launch.cpu_collectives=shm).
+
+Two spawned jobs: FSDP training through the shared-memory comms equals gloo bitwise at two ranks
+(and the comms really ran, and left nothing in /dev/shm); at three ranks the collectives
+themselves against exact references (padding, AVG, async callers, a larger unit growing the file,
+an input FSDP did not take from ``allocate``), and the two ways a group keeps gloo (no room in
+/dev/shm; ranks that do not share one /dev/shm)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from helpers import close_group
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _init(rank: int, world: int, port: int) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+
+
+def _shm_files() -> list[str]:
+    return sorted(f for f in os.listdir("/dev/shm") if f.startswith("hyperpar-"))
+
+
+def _job(rank: int, world: int, port: int, out_dir: str, body) -> None:
+    """A spawned rank: ``body(rank, world)`` returns the report this rank writes."""
+    _init(rank, world, port)
+    try:
+        report = body(rank, world)
+        report["files"] = _shm_files()
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(report))
+    except BaseException:
+        close_group(ok=False)
+        raise
+    close_group(ok=True)
+
+
+def _spawn(body, world: int, out_dir: Path) -> list[dict]:
+    import torch.multiprocessing as mp
+
+    mp.spawn(_job, args=(world, _free_port(), str(out_dir), body), nprocs=world, join=True)
+    return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(world)]
+
+
+def _train(rank: int, world: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from hyperpar.distributed import shm_collectives as sc
+    from hyperpar.distributed.fsdp import apply_fsdp
+
+    def train(shm: bool, param_dtype: torch.dtype) -> tuple[list[float], list[torch.Tensor], int]:
+        torch.manual_seed(0)
+        # 257 rows: FSDP pads every shard; an embedding-sized root parameter makes one unit larger
+        model = nn.Sequential(nn.Linear(257, 257, bias=False),
+                              *[nn.Sequential(nn.Linear(257, 129), nn.GELU(), nn.Linear(129, 257)) for _ in range(3)])
+        mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp_replicate", "dp_shard"))
+        apply_fsdp(model, list(model)[1:], mesh, param_dtype=param_dtype, reduce_dtype=torch.float32)
+        units = sc.install([model]) if shm else 0
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        gen = torch.Generator().manual_seed(1 + rank)
+        losses = []
+        for _ in range(3):
+            loss = model(torch.randn(4, 257, generator=gen)).float().square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        return losses, [p.full_tensor().clone() for p in model.parameters()], units
+
+    report = {}
+    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        gloo, shm = train(False, dtype), train(True, dtype)
+        report[name] = {"units": shm[2], "losses_equal": gloo[0] == shm[0],
+                        "params_equal": all(torch.equal(a, b) for a, b in zip(gloo[1], shm[1]))}
+    report["arenas"] = sorted({a.label.rstrip("0123456789") for a in sc._arenas.values() if a.buffer is not None})
+    return report
+
+
+def test_fsdp_through_shared_memory_equals_gloo_bitwise(tmp_path):
+    for r, rep in enumerate(_spawn(_train, 2, tmp_path)):
+        for dtype in ("fp32", "bf16"):
+            assert rep[dtype] == {"units": 4, "losses_equal": True, "params_equal": True}, (r, dtype, rep)
+        assert rep["arenas"] == ["all_gather", "reduce_scatter"], rep  # the comms ran
+        assert rep["files"] == [], rep  # unlinked once mapped
+
+
+def _collectives(rank: int, world: int) -> dict:
+    import torch.distributed as dist
+
+    from hyperpar.distributed import shm_collectives as sc
+
+    report: dict = {}
+    group = dist.new_group(list(range(world)))
+    gather, scatter = sc.ShmAllGather(), sc.ShmReduceScatter(group)
+
+    def rank_data(k: int, n: int, dtype=torch.float32) -> torch.Tensor:
+        return torch.randn(n, generator=torch.Generator().manual_seed(100 * n + k)).to(dtype)
+
+    # all-gather: an odd size (slots padded to cache lines), bf16, then a larger one (the file grows)
+    for n, dtype in ((1001, torch.float32), (777, torch.bfloat16), (300_001, torch.float32)):
+        out = torch.empty(n * world, dtype=dtype)
+        assert gather(out, rank_data(rank, n, dtype), group) is None
+        report[f"ag_{n}"] = torch.equal(out, torch.cat([rank_data(k, n, dtype) for k in range(world)]))
+    out = torch.empty(5 * world)
+    work = gather(out, rank_data(rank, 5), group, async_op=True)
+    report["ag_async"] = work.wait() and torch.equal(out, torch.cat([rank_data(k, 5) for k in range(world)]))
+
+    # reduce-scatter: the input FSDP got from allocate (the rank's slot) and a private one; SUM and AVG
+    def expected(n: int, op) -> torch.Tensor:
+        parts = [rank_data(k, n * world)[rank * n:(rank + 1) * n] for k in range(world)]
+        total = parts[0] + parts[1]
+        for p in parts[2:]:
+            total = total + p
+        return total / world if op == dist.ReduceOp.AVG else total
+
+    for n, op, lend in ((1000, dist.ReduceOp.SUM, True), (1000, dist.ReduceOp.AVG, True),
+                        (70_000, dist.ReduceOp.SUM, False), (333, dist.ReduceOp.SUM, True)):
+        if lend:
+            inp = scatter.allocate((n * world,), dtype=torch.float32, device=torch.device("cpu"))
+            inp.copy_(rank_data(rank, n * world))
+            out = scatter.allocate((n,), dtype=torch.float32, device=torch.device("cpu"))  # FSDP's order
+        else:
+            inp, out = rank_data(rank, n * world), torch.empty(n)
+        shared = inp.untyped_storage().data_ptr() == scatter_arena_ptr(sc, group)
+        scatter(out, inp, group, op)
+        report[f"rs_{n}_{op}_{lend}"] = [shared, torch.equal(out, expected(n, op))]
+
+    # a group whose /dev/shm cannot take the file keeps gloo, with the same results
+    sc.SHM_DIR = "/nonexistent-hyperpar-shm"
+    small = dist.new_group(list(range(world)))
+    out = torch.empty(1001 * world)
+    gather(out, rank_data(rank, 1001), small)
+    report["no_room"] = [sc._arena(small, "all_gather").disabled,
+                         torch.equal(out, torch.cat([rank_data(k, 1001) for k in range(world)]))]
+    sc.SHM_DIR = "/dev/shm"
+
+    # ranks that map different files (several hosts) keep gloo too: rank 1 sees a file of its own
+    if rank == 1:
+        real = torch.from_file
+        sc.torch.from_file = lambda *a, **k: torch.zeros(k["size"], dtype=torch.uint8)
+    hosts = dist.new_group(list(range(world)))
+    gather(out, rank_data(rank, 1001), hosts)
+    if rank == 1:
+        sc.torch.from_file = real
+    report["several_hosts"] = [sc._arena(hosts, "all_gather").disabled,
+                               torch.equal(out, torch.cat([rank_data(k, 1001) for k in range(world)]))]
+    return report
+
+
+def scatter_arena_ptr(sc, group) -> int:
+    arena = sc._arena(group, "reduce_scatter")
+    return -1 if arena.buffer is None else arena.buffer.untyped_storage().data_ptr()
+
+
+def test_shared_memory_collectives_at_three_ranks(tmp_path):
+    for r, rep in enumerate(_spawn(_collectives, 3, tmp_path)):
+        files = rep.pop("files")
+        assert files == [], rep
+        lent = {k: v for k, v in rep.items() if k.startswith("rs_")}
+        for key, (shared, equal) in lent.items():
+            assert equal, (r, key)
+            assert shared == key.endswith("True"), (r, key)  # allocate lent the slot; a private input was copied
+        for key in ("ag_1001", "ag_777", "ag_300001", "ag_async"):
+            assert rep[key] is True, (r, key, rep)
+        assert rep["no_room"] == [True, True] and rep["several_hosts"] == [True, True], (r, rep)
