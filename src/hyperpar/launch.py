@@ -119,8 +119,8 @@ def worker_main(cfg: DictConfig, run_dir: str) -> dict[str, Any]:
         parts = pipeline.parts if pipeline is not None else [builder.spec.parallelize(model, pdims, cfg)]
         model = parts[0]
         load_report: dict = {}
-        if dev.type == "cpu" and cfg.launch.cpu_collectives == "shm":
-            if n_units := shm_collectives.install(parts):
+        if dev.type == "cpu":
+            if n_units := shm_collectives.install(parts, shared=cfg.launch.cpu_collectives == "shm"):
                 log.info("cpu_collectives=shm: %d FSDP units all-gather and reduce-scatter through shared "
                          "memory (%s)", n_units, shm_collectives.SHM_DIR)
         for part in parts:

@@ -114,7 +114,7 @@ class SharedArena:
                             self.label)
             return False
         self.buffer, self.capacity = buffer, slot_bytes
-        log.debug("cpu_collectives=shm: %s arena %.0f MB (%d ranks)", self.label, total / 2**20, self.size)
+        log.info("cpu_collectives=shm: %s file of %.0f MB (%d ranks)", self.label, total / 2**20, self.size)
         return True
 
     def slots(self, nbytes: int, dtype: torch.dtype, numel: int) -> list[torch.Tensor] | None:
@@ -142,15 +142,34 @@ def release() -> None:
     _arenas.clear()
 
 
-class ShmAllGather(AllGather):
-    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def empty_unfilled(size: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``torch.empty`` without the NaN fill of ``train.deterministic`` (``use_deterministic_algorithms``
+    fills every new tensor: ~90 ms per 128 MB on one CPU thread). Only for FSDP's collective buffers,
+    which the copy-in and the collective overwrite whole before anything reads them."""
+    from torch.utils import deterministic
+
+    fill = deterministic.fill_uninitialized_memory
+    deterministic.fill_uninitialized_memory = False
+    try:
         return torch.empty(*size, dtype=dtype, device=device)
+    finally:
+        deterministic.fill_uninitialized_memory = fill
+
+
+class ShmAllGather(AllGather):
+    """``shared=False``: gloo's all-gather, into a buffer allocated without the deterministic fill."""
+
+    def __init__(self, shared: bool = True):
+        self.shared = shared
+
+    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return empty_unfilled(size, dtype, device)
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  async_op: bool = False) -> dist.Work | None:
         n, w = input_tensor.numel(), group.size()
         slots = None
-        if output_tensor.is_contiguous() and input_tensor.is_contiguous() and output_tensor.numel() == n * w:
+        if self.shared and output_tensor.is_contiguous() and input_tensor.is_contiguous() and output_tensor.numel() == n * w:
             slots = _arena(group, "all_gather").slots(n * input_tensor.element_size(), input_tensor.dtype, n)
         if slots is None:
             return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
@@ -165,10 +184,11 @@ class ShmAllGather(AllGather):
 
 
 class ShmReduceScatter(ReduceScatter):
-    """Lends FSDP the rank's slot as its reduce-scatter input (one ``allocate`` per reduce-scatter)."""
+    """Lends FSDP the rank's slot as its reduce-scatter input (one ``allocate`` per reduce-scatter).
+    ``shared=False``: gloo's reduce-scatter, with buffers allocated without the deterministic fill."""
 
-    def __init__(self, group: dist.ProcessGroup):
-        self.group = group
+    def __init__(self, group: dist.ProcessGroup, shared: bool = True):
+        self.group, self.shared = group, shared
         self._lent: torch.Tensor | None = None
 
     def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -176,13 +196,13 @@ class ShmReduceScatter(ReduceScatter):
         for s in size:
             numel *= int(s)
         # FSDP allocates the input first, then the (smaller) output, which must stay private memory.
-        if self._lent is None and device.type == "cpu" and numel % self.group.size() == 0:
+        if self.shared and self._lent is None and device.type == "cpu" and numel % self.group.size() == 0:
             arena = _arena(self.group, "reduce_scatter")
             slots = arena.slots(numel * dtype.itemsize, dtype, numel)
             if slots is not None:
                 self._lent = slots[arena.rank]
                 return self._lent.view(*size)
-        return torch.empty(*size, dtype=dtype, device=device)
+        return empty_unfilled(size, dtype, device)
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  op=dist.ReduceOp.SUM, async_op: bool = False) -> dist.Work | None:
@@ -192,7 +212,7 @@ class ShmReduceScatter(ReduceScatter):
             raise RuntimeError("cpu_collectives=shm: the reduce-scatter output was allocated in shared memory "
                                "(FSDP allocated its buffers in an order this comm does not know)")
         w, n = group.size(), output_tensor.numel()
-        plain = op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG)
+        plain = self.shared and op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG)
         arena = _arena(group, "reduce_scatter")
         slots = None
         if plain and output_tensor.is_contiguous() and input_tensor.is_contiguous() and input_tensor.numel() == n * w:
@@ -224,21 +244,23 @@ def _shard_group(module: FSDPModule) -> dist.ProcessGroup | None:
     return groups[0].mesh_info.shard_process_group
 
 
-def install(parts: Iterable[nn.Module]) -> int:
-    """Route the all-gathers and reduce-scatters of every FSDP unit of ``parts`` whose shard group has
-    more than one rank through shared memory. Returns how many units use it."""
-    gather = ShmAllGather()
-    scatters: dict[int, ShmReduceScatter] = {}
+def install(parts: Iterable[nn.Module], shared: bool = True) -> int:
+    """Give every FSDP unit of ``parts`` (on CPU) this module's all-gather and reduce-scatter: through
+    shared memory where ``shared`` and its shard group has more than one rank, else gloo's; either way
+    with buffers allocated without the deterministic fill (a one-rank unit allocates its
+    reduce-scatter buffers every step too). Returns how many units go through shared memory."""
+    gathers = {flag: ShmAllGather(flag) for flag in (True, False)}
+    scatters: dict[tuple[int, bool], ShmReduceScatter] = {}
     n = 0
     for part in parts:
         for module in part.modules():
             if not isinstance(module, FSDPModule):
                 continue
             group = _shard_group(module)
-            if group is None or group.size() == 1:
+            if group is None:
                 continue
-            scatter = scatters.setdefault(id(group), ShmReduceScatter(group))
-            module.set_custom_all_gather(gather)
-            module.set_custom_reduce_scatter(scatter)
-            n += 1
+            flag = shared and group.size() > 1
+            module.set_custom_all_gather(gathers[flag])
+            module.set_custom_reduce_scatter(scatters.setdefault((id(group), flag), ShmReduceScatter(group, flag)))
+            n += flag
     return n
