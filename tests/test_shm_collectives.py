@@ -178,3 +178,21 @@ def test_shared_memory_collectives_at_three_ranks(tmp_path):
         for key in ("ag_1001", "ag_777", "ag_300001", "ag_async"):
             assert rep[key] is True, (r, key, rep)
         assert rep["no_room"] == [True, True] and rep["several_hosts"] == [True, True], (r, rep)
+
+
+def test_collective_buffers_skip_the_deterministic_fill(monkeypatch):
+    """FSDP's collective buffers are overwritten whole, so they skip train.deterministic's NaN fill
+    (~90 ms per 128 MB on one CPU thread); the fill stays on for everything else."""
+    from torch.utils import deterministic
+
+    from hyperpar.distributed import shm_collectives as sc
+
+    seen = []
+    real = torch.empty
+    monkeypatch.setattr(sc.torch, "empty", lambda *a, **k: seen.append(deterministic.fill_uninitialized_memory) or real(*a, **k))
+    assert deterministic.fill_uninitialized_memory is True
+    gather = sc.ShmAllGather(shared=False)
+    out = gather.allocate((1000,), dtype=torch.float32, device=torch.device("cpu"))
+    assert out.shape == (1000,) and seen == [False]
+    assert deterministic.fill_uninitialized_memory is True
+

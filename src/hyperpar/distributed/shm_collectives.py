@@ -24,6 +24,10 @@ The file is sized by the largest unit, grows when a larger one comes, and is unl
 every rank has mapped it, so nothing is left in ``/dev/shm`` after a crash. Where the ranks do not
 share one ``/dev/shm`` (several hosts), or it cannot hold the file, the group keeps gloo, with one
 log line saying so.
+
+Both comms, shared or not (``cpu_collectives=gloo``, one-rank units), allocate FSDP's collective
+buffers without the NaN fill ``train.deterministic`` puts into every new tensor (see
+``empty_unfilled``).
 """
 
 from __future__ import annotations
