@@ -149,16 +149,19 @@ def _collectives(rank: int, world: int) -> dict:
                          torch.equal(out, torch.cat([rank_data(k, 1001) for k in range(world)]))]
     sc.SHM_DIR = "/dev/shm"
 
-    # ranks that map different files (several hosts) keep gloo too: rank 1 sees a file of its own
-    if rank == 1:
-        real = torch.from_file
-        sc.torch.from_file = lambda *a, **k: torch.zeros(k["size"], dtype=torch.uint8)
-    hosts = dist.new_group(list(range(world)))
-    gather(out, rank_data(rank, 1001), hosts)
-    if rank == 1:
-        sc.torch.from_file = real
-    report["several_hosts"] = [sc._arena(hosts, "all_gather").disabled,
-                               torch.equal(out, torch.cat([rank_data(k, 1001) for k in range(world)]))]
+    # ranks on several hosts keep gloo too: rank 1 does not see rank 0's file, and rank 2 maps a
+    # file of its own; neither leaves a file behind
+    real_exists, real_from_file = os.path.exists, torch.from_file
+    for case in ("no_file", "own_file"):
+        if rank == 1 and case == "no_file":
+            sc.os.path.exists = lambda path: False if "hyperpar-" in str(path) else real_exists(path)
+        if rank == 2 and case == "own_file":
+            sc.torch.from_file = lambda *a, **k: torch.zeros(k["size"], dtype=torch.uint8)
+        hosts = dist.new_group(list(range(world)))
+        gather(out, rank_data(rank, 1001), hosts)
+        sc.os.path.exists, sc.torch.from_file = real_exists, real_from_file
+        report[f"several_hosts_{case}"] = [sc._arena(hosts, "all_gather").disabled,
+                                           torch.equal(out, torch.cat([rank_data(k, 1001) for k in range(world)]))]
     return report
 
 
@@ -177,7 +180,8 @@ def test_shared_memory_collectives_at_three_ranks(tmp_path):
             assert shared == key.endswith("True"), (r, key)  # allocate lent the slot; a private input was copied
         for key in ("ag_1001", "ag_777", "ag_300001", "ag_async"):
             assert rep[key] is True, (r, key, rep)
-        assert rep["no_room"] == [True, True] and rep["several_hosts"] == [True, True], (r, rep)
+        for key in ("no_room", "several_hosts_no_file", "several_hosts_own_file"):
+            assert rep[key] == [True, True], (r, key, rep)
 
 
 def test_collective_buffers_skip_the_deterministic_fill(monkeypatch):

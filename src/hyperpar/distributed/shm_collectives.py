@@ -100,7 +100,9 @@ class SharedArena:
         dist.broadcast_object_list(box, group=self.group, group_src=0)
         path, token, problem = box[0]
         buffer = None
-        if path:
+        if path and not os.path.exists(path):  # from_file would create (and leak) a file of its own
+            problem = "the ranks do not share one /dev/shm (several hosts)"
+        elif path:
             try:
                 buffer = torch.from_file(path, shared=True, size=total, dtype=torch.uint8)
                 if bytes(buffer[:len(token)].tolist()) != token.encode():
