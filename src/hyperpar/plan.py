@@ -6,6 +6,7 @@ fraction of a second instead of a cluster allocation.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from omegaconf import DictConfig
@@ -210,6 +211,7 @@ def _collectives(cfg: DictConfig, pdims: ParallelDims, unit_mb: float, unit_redu
         return "gloo for every collective (launch.cpu_collectives=gloo)"
     # One file per shard group and kind: all-gather slots of one shard each, reduce-scatter slots of one
     # whole unit each (FSDP's reduce-scatter input, written there directly).
-    shm_mb = unit_mb + pdims.fsdp_size * unit_reduce_mb
+    w = pdims.fsdp_size
+    shm_mb = w * math.ceil(unit_mb / w) + w * math.ceil(unit_reduce_mb)  # slots are whole MiB
     return (f"FSDP all-gathers and reduce-scatters through shared memory (/dev/shm, about {shm_mb:.0f} MB "
             "for the largest unit, shared by the host's ranks); the rest on gloo (launch.cpu_collectives=shm)")
