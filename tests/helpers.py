@@ -260,3 +260,13 @@ def close_group(ok: bool) -> None:
     if ok:
         dist.barrier()
     dist.destroy_process_group()
+
+
+def free_port() -> int:
+    """A local TCP port that was free a moment ago (for a spawned test job's rendezvous)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+

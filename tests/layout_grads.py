@@ -6,20 +6,13 @@ computes the gradient of one process. Used by the tensor-parallel tests."""
 from __future__ import annotations
 
 import os
-import socket
 import sys
 import tempfile
 from pathlib import Path
 
 import torch
 
-from helpers import close_group
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from helpers import close_group, free_port
 
 
 def _worker(rank: int, world: int, port: int, overrides: list[str], out: str) -> None:
@@ -109,7 +102,7 @@ def layout_grads(overrides: list[str], world: int) -> dict:
     import torch.multiprocessing as mp
 
     out = Path(tempfile.mkdtemp()) / "grads.pt"
-    mp.spawn(_worker, args=(world, _free_port(), list(overrides), str(out)), nprocs=world, join=True)
+    mp.spawn(_worker, args=(world, free_port(), list(overrides), str(out)), nprocs=world, join=True)
     return torch.load(out)
 
 

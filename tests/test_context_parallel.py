@@ -10,23 +10,16 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 from pathlib import Path
 
 import pytest
 import torch
 
-from helpers import cli_metrics, close_group
+from helpers import cli_metrics, close_group, free_port
 from layout_grads import assert_layout_matches_single
 
 CP = 2
 B, S = 2, 48  # GDN chunk 16: three chunks over the full row, documents crossing the shard edge
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -123,7 +116,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
 def test_ulysses_kernels_under_cp2_equal_full_sequence(tmp_path):
     import torch.multiprocessing as mp
 
-    mp.spawn(_worker, args=(CP, _free_port(), str(tmp_path)), nprocs=CP, join=True)
+    mp.spawn(_worker, args=(CP, free_port(), str(tmp_path)), nprocs=CP, join=True)
     for r in range(CP):
         reports = json.loads((tmp_path / f"rank{r}.json").read_text())
         assert len(reports) == 10

@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 from pathlib import Path
 
 import pytest
 import torch
 
-from helpers import cli_small, close_group
+from helpers import cli_small, close_group, free_port
 
 TOL = 1e-5
 CKPT3 = ["checkpoint=default", "checkpoint.save_steps=3", "checkpoint.keep_last=0"]
@@ -88,12 +87,6 @@ def test_ep_model_errors(geometry, message):
 # ---- two processes: one MoE block under ep 2 equals the block on one process ----------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
 
@@ -156,7 +149,7 @@ def test_moe_block_under_ep2_equals_one_process(tmp_path):
     rank: forward and every gradient equal one process; each rank holds E / ep experts."""
     import torch.multiprocessing as mp
 
-    mp.spawn(_block_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_block_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
     for r in range(2):
         rep = json.loads((tmp_path / f"rank{r}.json").read_text())
         assert rep["local_experts"] == 2

@@ -10,19 +10,12 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from helpers import close_group
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from helpers import close_group, free_port
 
 
 def _init(rank: int, world: int, port: int) -> None:
@@ -53,7 +46,7 @@ def _job(rank: int, world: int, port: int, out_dir: str, body) -> None:
 def _spawn(body, world: int, out_dir: Path) -> list[dict]:
     import torch.multiprocessing as mp
 
-    mp.spawn(_job, args=(world, _free_port(), str(out_dir), body), nprocs=world, join=True)
+    mp.spawn(_job, args=(world, free_port(), str(out_dir), body), nprocs=world, join=True)
     return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(world)]
 
 
@@ -111,7 +104,7 @@ def _collectives(rank: int, world: int) -> dict:
     def rank_data(k: int, n: int, dtype=torch.float32) -> torch.Tensor:
         return torch.randn(n, generator=torch.Generator().manual_seed(100 * n + k)).to(dtype)
 
-    # all-gather: an odd size (slots padded to cache lines), bf16, then a larger one (the file grows)
+    # all-gather: an odd size (slots are whole MiB), bf16, then a larger one (the file grows)
     for n, dtype in ((1001, torch.float32), (777, torch.bfloat16), (300_001, torch.float32)):
         out = torch.empty(n * world, dtype=dtype)
         assert gather(out, rank_data(rank, n, dtype), group) is None

@@ -188,7 +188,8 @@ def make_plan(cfg: DictConfig, *, strict: bool = True) -> Plan:
     compute = dtype_of(t.mixed_precision.param_dtype).itemsize
     mb = 2**20
     # The largest FSDP unit: a block, or the root (embeddings, head, norms: what no block holds).
-    unit = max(largest, total - sum(_block_sizes(meta)))
+    whole_blocks = blocks if pdims.tp == 1 else list(_block_sizes(meta))  # counted before the tp split
+    unit = max(largest, total - sum(whole_blocks))
     reduce = dtype_of(t.mixed_precision.reduce_dtype).itemsize
     return Plan(
         pdims=pdims, model_desc=builder.describe(), total_params=total, largest_block_params=largest,

@@ -46,11 +46,11 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatt
 log = logging.getLogger("hyperpar")
 
 SHM_DIR = "/dev/shm"
-ALIGN = 64  # bytes: every rank's slot starts on a cache line
+SLOT_UNIT = 1 << 20  # bytes: slots are whole MiB, so every slot starts page- and cache-line-aligned
 
 
-def _round_up(n: int, to: int = ALIGN) -> int:
-    return (n + to - 1) // to * to
+def _round_up(n: int) -> int:
+    return (n + SLOT_UNIT - 1) // SLOT_UNIT * SLOT_UNIT
 
 
 def _done_work() -> dist.Work:
@@ -76,7 +76,7 @@ class SharedArena:
         dist.barrier(group=self.group)
 
     def _grow(self, slot_bytes: int) -> bool:
-        slot_bytes = _round_up(max(slot_bytes, 2 * self.capacity), 1 << 20)
+        slot_bytes = _round_up(max(slot_bytes, 2 * self.capacity))
         total = slot_bytes * self.size
         token = uuid.uuid4().hex
         path, problem = "", ""
@@ -174,12 +174,12 @@ class ShmAllGather(AllGather):
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  async_op: bool = False) -> dist.Work | None:
         n, w = input_tensor.numel(), group.size()
+        arena = _arena(group, "all_gather")
         slots = None
         if self.shared and output_tensor.is_contiguous() and input_tensor.is_contiguous() and output_tensor.numel() == n * w:
-            slots = _arena(group, "all_gather").slots(n * input_tensor.element_size(), input_tensor.dtype, n)
+            slots = arena.slots(n * input_tensor.element_size(), input_tensor.dtype, n)
         if slots is None:
             return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
-        arena = _arena(group, "all_gather")
         slots[arena.rank].copy_(input_tensor.view(-1))
         arena.barrier()
         out = output_tensor.view(w, n)
