@@ -12,7 +12,7 @@ per step, and the ratio transformers / ours (> 1: ours is faster). With ``--fsdp
     python bench/trainer_vs_transformers.py --config dense_small --dtype fp32
     python bench/trainer_vs_transformers.py --config dense_small --dtype bf16
     python bench/trainer_vs_transformers.py --config moe_small --dtype fp32
-    python bench/trainer_vs_transformers.py --config dense_small --fsdp --no-transformers
+    python bench/trainer_vs_transformers.py --config dense_small --fsdp --no-transformers [--floor]
 
 Our trainer flushes subnormal floats to zero on CPU (``launch.flush_denormals``, default on);
 ``--transformers-ftz`` also times transformers with the same CPU mode, to tell that gain apart.
@@ -98,24 +98,50 @@ def run_theirs(ckpt: Path, a, steps: int, ftz: bool = False) -> list[dict]:
     return [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
 
 
-def run_ours(ckpt: Path, a, steps: int, layout: str, work: Path, extra: list[str]) -> tuple[list[dict], float]:
-    """Per-step records of ``python -m hyperpar`` and the time from its start to its first step."""
+def _ours_cmd(ckpt: Path, a, steps: int, layout: str, work: Path, extra: list[str], batch: int = 0,
+              threads: int = 0) -> tuple[list[str], Path]:
     run_dir = Path(tempfile.mkdtemp(dir=work))
     model = "qwen3_5_moe" if is_moe(a.config) else "qwen3_5"
     world = 2 if layout == "fsdp2" else 1
+    batch, threads = batch or a.batch, threads or a.threads // world
     args = [f"model={model}", f"model.hf_path={ckpt}", f"parallel={layout}", f"train.steps={steps}",
-            f"train.seq_len={a.seq}", f"train.global_batch_size={a.batch}",
-            f"train.micro_batch_size={a.batch // world}", f"launch.threads_per_rank={a.threads // world}",
+            f"train.seq_len={a.seq}", f"train.global_batch_size={batch}",
+            f"train.micro_batch_size={batch // world}", f"launch.threads_per_rank={threads}",
             "train.max_grad_norm=1.0", "checkpoint=none", f"hydra.run.dir={run_dir}",
             *(["train.mixed_precision.param_dtype=bfloat16"] if a.dtype == "bf16" else []), *extra]
+    return [sys.executable, "-m", "hyperpar", *args], run_dir
+
+
+def _records(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def run_ours(ckpt: Path, a, steps: int, layout: str, work: Path, extra: list[str]) -> tuple[list[dict], float]:
+    """Per-step records of ``python -m hyperpar`` and the time from its start to its first step."""
+    cmd, run_dir = _ours_cmd(ckpt, a, steps, layout, work, extra)
     env = {**os.environ, "HYPERPAR_NO_BAR": "1"}
     t0 = time.perf_counter()
-    res = subprocess.run([sys.executable, "-m", "hyperpar", *args], capture_output=True, text=True, env=env)
+    res = subprocess.run(cmd, capture_output=True, text=True, env=env)
     wall = time.perf_counter() - t0
     if res.returncode:
         raise SystemExit(f"hyperpar {layout} failed:\n{res.stderr[-3000:]}")
-    recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    recs = _records(run_dir)
     return recs, wall - sum(r["step_time_s"] for r in recs)
+
+
+def run_floor(ckpt: Path, a, steps: int, work: Path, extra: list[str]) -> tuple[list[dict], None]:
+    """fsdp2's floor: two independent ``single`` runs at once, threads/2 and half the batch each, with
+    no communication at all. A step counts as the slower of the two (ranks of one job wait for it)."""
+    env = {**os.environ, "HYPERPAR_NO_BAR": "1"}
+    runs = [_ours_cmd(ckpt, a, steps, "single", work, extra, batch=a.batch // 2, threads=a.threads // 2) for _ in range(2)]
+    cmds = [(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env), run_dir)
+            for cmd, run_dir in runs]
+    for proc, _ in cmds:
+        _, err = proc.communicate()
+        if proc.returncode:
+            raise SystemExit(f"hyperpar single (floor) failed:\n{err[-3000:]}")
+    pair = [_records(run_dir) for _, run_dir in cmds]
+    return [max(x, y, key=lambda r: r["step_time_s"]) for x, y in zip(*pair)], None
 
 
 def summary(name: str, recs: list[list[dict]], flops_per_step: float, peak: float) -> dict:
@@ -139,6 +165,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--fsdp", action="store_true", help="also time fsdp2 (threads/2 each) against single")
+    ap.add_argument("--floor", action="store_true",
+                    help="with --fsdp: also time two independent single runs at once (threads/2, half the batch "
+                         "each, no communication), the floor of fsdp2 against single on this machine")
     ap.add_argument("--no-transformers", action="store_true")
     ap.add_argument("--transformers-ftz", action="store_true",
                     help="also time transformers with subnormals flushed to zero, as our trainer runs by default")
@@ -170,6 +199,8 @@ def main() -> None:
             sides["transformers ftz"] = lambda: (run_theirs(ckpt, a, a.steps, ftz=True), None)
     if a.fsdp:
         sides["ours fsdp2"] = lambda: run_ours(ckpt, a, a.steps, "fsdp2", work, a.ours)
+        if a.floor:
+            sides["2 x single"] = lambda: run_floor(ckpt, a, a.steps, work, a.ours)
     recs: dict[str, list] = {k: [] for k in sides}
     startup: dict[str, list] = {k: [] for k in sides}
     order = list(sides)
@@ -190,6 +221,9 @@ def main() -> None:
         print(f"ratio transformers (flush-to-zero) / ours: {rows['transformers ftz']['median_s'] / rows['ours']['median_s']:.2f}x")
     if "ours fsdp2" in rows:
         print(f"fsdp2 / single step time: {rows['ours fsdp2']['median_s'] / rows['ours']['median_s']:.3f}x")
+    if "2 x single" in rows:
+        print(f"floor (2 x single, no communication) / single step time: "
+              f"{rows['2 x single']['median_s'] / rows['ours']['median_s']:.3f}x")
 
 
 if __name__ == "__main__":

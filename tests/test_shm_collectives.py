@@ -52,6 +52,7 @@ def _spawn(body, world: int, out_dir: Path) -> list[dict]:
 
 def _train(rank: int, world: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule
 
     from hyperpar.distributed import shm_collectives as sc
     from hyperpar.distributed.fsdp import apply_fsdp
@@ -64,6 +65,8 @@ def _train(rank: int, world: int) -> dict:
         mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp_replicate", "dp_shard"))
         apply_fsdp(model, list(model)[1:], mesh, param_dtype=param_dtype, reduce_dtype=torch.float32)
         units = sc.install([model]) if shm else 0
+        gathers = {id(m._get_fsdp_state()._fsdp_param_groups[0]._all_gather_comm): m._get_fsdp_state()._fsdp_param_groups[0]._all_gather_comm
+                   for m in model.modules() if isinstance(m, FSDPModule)}
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         gen = torch.Generator().manual_seed(1 + rank)
         losses = []
@@ -73,12 +76,16 @@ def _train(rank: int, world: int) -> dict:
             opt.step()
             opt.zero_grad()
             losses.append(loss.item())
-        return losses, [p.full_tensor().clone() for p in model.parameters()], units
+        counts = {"in_place": 0, "gloo": 0}
+        for comm in gathers.values():
+            for k, v in getattr(comm, "counts", {}).items():
+                counts[k] += v
+        return losses, [p.full_tensor().clone() for p in model.parameters()], units, counts
 
     report = {}
     for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         gloo, shm = train(False, dtype), train(True, dtype)
-        report[name] = {"units": shm[2], "losses_equal": gloo[0] == shm[0],
+        report[name] = {"units": shm[2], "gathers": shm[3], "losses_equal": gloo[0] == shm[0],
                         "params_equal": all(torch.equal(a, b) for a, b in zip(gloo[1], shm[1]))}
     report["arenas"] = sorted({a.label.rstrip("0123456789") for a in sc._arenas.values() if a.buffer is not None})
     return report
@@ -87,7 +94,10 @@ def _train(rank: int, world: int) -> dict:
 def test_fsdp_through_shared_memory_equals_gloo_bitwise(tmp_path):
     for r, rep in enumerate(_spawn(_train, 2, tmp_path)):
         for dtype in ("fp32", "bf16"):
+            gathers = rep[dtype].pop("gathers")
             assert rep[dtype] == {"units": 4, "losses_equal": True, "params_equal": True}, (r, dtype, rep)
+            # FSDP's all-gathers all happened in place in the file: three regions cover what it holds
+            assert gathers["in_place"] >= 3 * 7 and gathers["gloo"] == 0, (r, dtype, gathers)
         assert rep["arenas"] == ["all_gather", "reduce_scatter"], rep  # the comms ran
         assert rep["files"] == [], rep  # unlinked once mapped
 
@@ -99,19 +109,50 @@ def _collectives(rank: int, world: int) -> dict:
 
     report: dict = {}
     group = dist.new_group(list(range(world)))
-    gather, scatter = sc.ShmAllGather(), sc.ShmReduceScatter(group)
+    gather, scatter = sc.ShmAllGather(group), sc.ShmReduceScatter(group)
+    cpu = torch.device("cpu")
 
     def rank_data(k: int, n: int, dtype=torch.float32) -> torch.Tensor:
         return torch.randn(n, generator=torch.Generator().manual_seed(100 * n + k)).to(dtype)
 
-    # all-gather: an odd size (slots are whole MiB), bf16, then a larger one (the file grows)
-    for n, dtype in ((1001, torch.float32), (777, torch.bfloat16), (300_001, torch.float32)):
-        out = torch.empty(n * world, dtype=dtype)
-        assert gather(out, rank_data(rank, n, dtype), group) is None
-        report[f"ag_{n}"] = torch.equal(out, torch.cat([rank_data(k, n, dtype) for k in range(world)]))
-    out = torch.empty(5 * world)
-    work = gather(out, rank_data(rank, 5), group, async_op=True)
-    report["ag_async"] = work.wait() and torch.equal(out, torch.cat([rank_data(k, 5) for k in range(world)]))
+    def everyone(n: int, dtype=torch.float32) -> torch.Tensor:
+        return torch.cat([rank_data(k, n, dtype) for k in range(world)])
+
+    def fsdp_gather(comm, n: int, dtype=torch.float32, g=group, async_op=False) -> tuple[torch.Tensor, bool]:
+        """As FSDP all-gathers: allocate the output, copy the shard into the rank's chunk of it, call."""
+        out = comm.allocate((n * world,), dtype=dtype, device=cpu)
+        inp = out.narrow(0, rank * n, n)
+        inp.copy_(rank_data(rank, n, dtype))
+        work = comm(out, inp, g, async_op=async_op)
+        assert (work is None) != async_op and (not async_op or work.wait())
+        views = sc._arena(g, "all_gather").views
+        return out, any(out.untyped_storage().data_ptr() == v.untyped_storage().data_ptr() for v in views)
+
+    # all-gather: an odd size (slots are whole MiB), bf16, then a larger one (the file grows), async
+    for n, dtype in ((1001, torch.float32), (777, torch.bfloat16), (300_001, torch.float32), (5, torch.float32)):
+        out, lent = fsdp_gather(gather, n, dtype, async_op=n == 5)
+        report[f"ag_{n}"] = [lent, torch.equal(out, everyone(n, dtype))]
+    del out
+    # outputs FSDP keeps are never overwritten: with three held, the next all-gather goes through gloo,
+    # and once they are freed the regions are lent again
+    held = [fsdp_gather(gather, 1000 + i) for i in range(3)]
+    extra, extra_lent = fsdp_gather(gather, 999)
+    report["ag_held"] = [[lent for _, lent in held], extra_lent,
+                         all(torch.equal(out, everyone(1000 + i)) for i, (out, _) in enumerate(held)),
+                         torch.equal(extra, everyone(999))]
+    del held, extra
+    fsdp_gather(gather, 10)  # the exchange of this (gloo) one sees the regions free again
+    again, again_lent = fsdp_gather(gather, 998)
+    report["ag_freed"] = [again_lent, torch.equal(again, everyone(998))]
+    del again
+    # an input that is not the allocated output's own chunk: every rank refuses alike
+    out = gather.allocate((7 * world,), dtype=torch.float32, device=cpu)
+    try:
+        gather(out, rank_data(rank, 7), group)
+        report["ag_foreign_input"] = "no error"
+    except RuntimeError as exc:
+        report["ag_foreign_input"] = "in place" in str(exc)
+    del out
 
     # reduce-scatter: the input FSDP got from allocate (the rank's slot) and a private one; SUM and AVG
     def expected(n: int, op) -> torch.Tensor:
@@ -136,10 +177,8 @@ def _collectives(rank: int, world: int) -> dict:
     # a group whose /dev/shm cannot take the file keeps gloo, with the same results
     sc.SHM_DIR = "/nonexistent-hyperpar-shm"
     small = dist.new_group(list(range(world)))
-    out = torch.empty(1001 * world)
-    gather(out, rank_data(rank, 1001), small)
-    report["no_room"] = [sc._arena(small, "all_gather").disabled,
-                         torch.equal(out, torch.cat([rank_data(k, 1001) for k in range(world)]))]
+    out, lent = fsdp_gather(sc.ShmAllGather(small), 1001, g=small)
+    report["no_room"] = [sc._arena(small, "all_gather").disabled, not lent, torch.equal(out, everyone(1001))]
     sc.SHM_DIR = "/dev/shm"
 
     # ranks on several hosts keep gloo too: rank 1 does not see rank 0's file, and rank 2 maps a
@@ -151,10 +190,10 @@ def _collectives(rank: int, world: int) -> dict:
         if rank == 2 and case == "own_file":
             sc.torch.from_file = lambda *a, **k: torch.zeros(k["size"], dtype=torch.uint8)
         hosts = dist.new_group(list(range(world)))
-        gather(out, rank_data(rank, 1001), hosts)
+        out, lent = fsdp_gather(sc.ShmAllGather(hosts), 1001, g=hosts)
         sc.os.path.exists, sc.torch.from_file = real_exists, real_from_file
-        report[f"several_hosts_{case}"] = [sc._arena(hosts, "all_gather").disabled,
-                                           torch.equal(out, torch.cat([rank_data(k, 1001) for k in range(world)]))]
+        report[f"several_hosts_{case}"] = [sc._arena(hosts, "all_gather").disabled, not lent,
+                                           torch.equal(out, everyone(1001))]
     return report
 
 
@@ -171,10 +210,13 @@ def test_shared_memory_collectives_at_three_ranks(tmp_path):
         for key, (shared, equal) in lent.items():
             assert equal, (r, key)
             assert shared == key.endswith("True"), (r, key)  # allocate lent the slot; a private input was copied
-        for key in ("ag_1001", "ag_777", "ag_300001", "ag_async"):
-            assert rep[key] is True, (r, key, rep)
+        for key in ("ag_1001", "ag_777", "ag_300001", "ag_5"):
+            assert rep[key] == [True, True], (r, key, rep)  # lent from the file, and right
+        assert rep["ag_held"] == [[True, True, True], False, True, True], (r, rep)
+        assert rep["ag_freed"] == [True, True], (r, rep)
+        assert rep["ag_foreign_input"] is True, (r, rep)
         for key in ("no_room", "several_hosts_no_file", "several_hosts_own_file"):
-            assert rep[key] == [True, True], (r, key, rep)
+            assert rep[key] == [True, True, True], (r, key, rep)
 
 
 def test_collective_buffers_skip_the_deterministic_fill(monkeypatch):
@@ -188,7 +230,7 @@ def test_collective_buffers_skip_the_deterministic_fill(monkeypatch):
     real = torch.empty
     monkeypatch.setattr(sc.torch, "empty", lambda *a, **k: seen.append(deterministic.fill_uninitialized_memory) or real(*a, **k))
     assert deterministic.fill_uninitialized_memory is True
-    gather = sc.ShmAllGather(shared=False)
+    gather = sc.ShmAllGather(None, shared=False)
     out = gather.allocate((1000,), dtype=torch.float32, device=torch.device("cpu"))
     assert out.shape == (1000,) and seen == [False]
     assert deterministic.fill_uninitialized_memory is True

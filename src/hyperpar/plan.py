@@ -210,9 +210,12 @@ def _collectives(cfg: DictConfig, pdims: ParallelDims, unit_mb: float, unit_redu
         return ""
     if cfg.launch.cpu_collectives == "gloo":
         return "gloo for every collective (launch.cpu_collectives=gloo)"
-    # One file per shard group and kind: all-gather slots of one shard each, reduce-scatter slots of one
-    # whole unit each (FSDP's reduce-scatter input, written there directly).
+    # One file per shard group and kind: a header and three all-gather outputs of the largest unit (slots
+    # of one shard each), and reduce-scatter slots of one whole unit each (FSDP's reduce-scatter input).
+    from hyperpar.distributed.shm_collectives import GATHER_REGIONS, HEADER
+
     w = pdims.fsdp_size
-    shm_mb = w * math.ceil(unit_mb / w) + w * math.ceil(unit_reduce_mb)  # slots are whole MiB
+    # slots are whole MiB
+    shm_mb = HEADER / 2**20 + GATHER_REGIONS * w * math.ceil(unit_mb / w) + w * math.ceil(unit_reduce_mb)
     return (f"FSDP all-gathers and reduce-scatters through shared memory (/dev/shm, about {shm_mb:.0f} MB "
             "for the largest unit, shared by the host's ranks); the rest on gloo (launch.cpu_collectives=shm)")

@@ -6,19 +6,25 @@ TCP loopback, on the same cores that compute: on two cores an all-gather of 228 
 one host can instead share one file in ``/dev/shm`` per process group: each rank writes its part
 into its own slot, waits at a barrier, and reads what it needs from the others' slots.
 
-- All-gather: the rank's shard goes into its slot, and after the barrier the whole output is
-  one copy out of the file.
+- All-gather: FSDP asks the comm to ``allocate`` its all-gather output, and gets a region of the
+  file laid out as that output, so FSDP's own copy-in writes the rank's shard straight into its
+  chunk there. One barrier, and FSDP's copy-out reads every rank's chunk from the file: no copy of
+  ours at all. The file holds three such regions: FSDP keeps one output after its copy-out in
+  forward (freed at the next unit's), so two are in use while a third is filled. Which region the
+  next all-gather gets is decided by every rank alike from what each rank still holds (see
+  ``SharedArena.exchange``), so no rank ever writes a region another rank still reads; when all
+  three are held (a prefetch pattern FSDP does not use today) that all-gather goes through gloo.
 - Reduce-scatter: FSDP asks the comm to ``allocate`` its reduce-scatter input, and gets the rank's
   slot of the file, so the gradients are written there directly by FSDP's own copy-in. After the
   barrier each rank sums its chunk of every rank's slot, in rank order. Every rank thus adds the
   same numbers in the same order as every other run with this many ranks; with two ranks the sum is
-  bitwise gloo's (two-term addition commutes).
+  bitwise gloo's (two-term addition commutes). A second barrier after the reads keeps a fast rank
+  from overwriting a slot that another rank is still reading.
 
 These are FSDP2's own extension points (``set_custom_all_gather`` / ``set_custom_reduce_scatter``),
 so every other collective (HSDP's all-reduce, pipeline send/recv, expert all-to-all, checkpoints,
-object collectives) stays on gloo untouched. A second barrier after the reads keeps a fast rank
-from overwriting a slot that another rank is still reading. Barriers are gloo's: a barrier is a
-round of socket syscalls, across which no CPU reorders the loads and stores around it.
+object collectives) stays on gloo untouched. Barriers are gloo's: a barrier is a round of socket
+syscalls, across which no CPU reorders the loads and stores around it.
 
 The file is sized by the largest unit, grows when a larger one comes, and is unlinked as soon as
 every rank has mapped it, so nothing is left in ``/dev/shm`` after a crash. Where the ranks do not
@@ -49,6 +55,11 @@ SHM_DIR = "/dev/shm"
 SLOT_UNIT = 1 << 20  # bytes: slots are whole MiB, so every slot starts page- and cache-line-aligned
 
 
+HEADER = SLOT_UNIT  # bytes before the regions of an arena that has several: the token, then the masks
+MASKS_AT = 4096  # where, in the header, each rank publishes which regions it still holds (two rounds)
+GATHER_REGIONS = 3  # forward holds two all-gather outputs at once (one kept past its copy-out), one is filled
+
+
 def _round_up(n: int) -> int:
     return (n + SLOT_UNIT - 1) // SLOT_UNIT * SLOT_UNIT
 
@@ -58,26 +69,43 @@ def _done_work() -> dist.Work:
     return torch._C._distributed_c10d.PythonCallbackWork(lambda timeout: True)
 
 
+def _users(t: torch.Tensor) -> int:
+    """How many tensors (and storage handles) share ``t``'s storage: a region FSDP still holds an
+    output in counts more than the region alone."""
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+
+
 class SharedArena:
-    """One ``/dev/shm`` file mapped by every rank of one process group, with one slot per rank.
+    """One ``/dev/shm`` file mapped by every rank of one process group.
+
+    ``regions=1`` (reduce-scatter): one slot per rank, see ``slots``. ``regions>1`` (all-gather): each
+    region is one collective's whole output, lent to FSDP by ``lend``; each region is a storage of its
+    own, so whether FSDP still holds it can be seen from its users (``_users``).
 
     Every method is collective: each rank calls it in the same order with the same sizes, as FSDP's
-    units do. ``slots`` returns None on every rank alike when the group cannot share memory.
+    units do. ``slots`` and ``lend`` return None on every rank alike when the group cannot share
+    memory (or, for ``lend``, when every region is still held somewhere).
     """
 
-    def __init__(self, group: dist.ProcessGroup, label: str):
-        self.group, self.label = group, label
+    def __init__(self, group: dist.ProcessGroup, label: str, regions: int = 1):
+        self.group, self.label, self.regions = group, label, regions
         self.rank, self.size = group.rank(), group.size()
         self.capacity = 0  # bytes per slot
         self.buffer: torch.Tensor | None = None
         self.disabled = False
+        self.views: list[torch.Tensor] = []  # regions > 1: one tensor with a storage of its own per region
+        self.idle_users: list[int] = []
+        self.masks: torch.Tensor | None = None  # [2 rounds, ranks] of held-region bit masks, in the header
+        self.round = 0
+        self.next_region: int | None = 0
 
     def barrier(self) -> None:
         dist.barrier(group=self.group)
 
     def _grow(self, slot_bytes: int) -> bool:
         slot_bytes = _round_up(max(slot_bytes, 2 * self.capacity))
-        total = slot_bytes * self.size
+        header = HEADER if self.regions > 1 else 0
+        total = header + self.regions * slot_bytes * self.size
         token = uuid.uuid4().hex
         path, problem = "", ""
         if self.rank == 0:
@@ -119,17 +147,53 @@ class SharedArena:
                 log.warning("cpu_collectives=shm: %s for %s; this group keeps gloo", problem or "another rank failed",
                             self.label)
             return False
+        assert buffer is not None
         self.buffer, self.capacity = buffer, slot_bytes
+        if self.regions > 1:
+            # A region FSDP holds an output in after the file grew stays mapped through that output.
+            flat, span = buffer.numpy(), slot_bytes * self.size
+            self.views = [torch.frombuffer(flat[header + r * span:header + (r + 1) * span], dtype=torch.uint8)
+                          for r in range(self.regions)]
+            self.idle_users = [_users(v) for v in self.views]
+            self.masks = buffer[MASKS_AT:MASKS_AT + 2 * 8 * self.size].view(torch.int64).view(2, self.size)
+            self.round, self.next_region = 0, 0
         log.info("cpu_collectives=shm: %s file of %.0f MB (%d ranks)", self.label, total / 2**20, self.size)
         return True
 
+    def _fits(self, slot_bytes: int) -> bool:
+        return not self.disabled and (slot_bytes <= self.capacity or self._grow(slot_bytes))
+
     def slots(self, nbytes: int, dtype: torch.dtype, numel: int) -> list[torch.Tensor] | None:
         """A view of ``numel`` elements of ``dtype`` in each rank's slot."""
-        if self.disabled or (nbytes > self.capacity and not self._grow(nbytes)):
+        if not self._fits(nbytes):
             return None
         assert self.buffer is not None
         c = self.capacity
         return [self.buffer[k * c:k * c + nbytes].view(dtype)[:numel] for k in range(self.size)]
+
+    def lend(self, slot_bytes: int, dtype: torch.dtype, numel: int) -> torch.Tensor | None:
+        """``numel`` elements of ``dtype`` (``slot_bytes`` per rank) in the region the last ``exchange``
+        chose, or None (FSDP then allocates privately and the collective goes through gloo)."""
+        if not self._fits(slot_bytes) or self.next_region is None:
+            return None
+        return self.views[self.next_region][:numel * dtype.itemsize].view(dtype)
+
+    def exchange(self, sync) -> None:
+        """Publish which regions this rank still holds, ``sync()`` (a collective every rank joins), and
+        pick the next collective's region: one no rank held when it published. A rank reads a region
+        only while it holds it, and every rank held its outputs since before it published, so the
+        chosen region is read by nobody when the ranks start writing it (after the next ``allocate``)."""
+        assert self.masks is not None
+        held = sum(1 << r for r, v in enumerate(self.views) if _users(v) > self.idle_users[r])
+        round_ = self.round
+        self.masks[round_, self.rank] = held
+        sync()
+        # Two rounds of masks: a rank that is one collective ahead writes the other row.
+        union = 0
+        for m in self.masks[round_].tolist():
+            union |= m
+        self.round ^= 1
+        self.next_region = next((r for r in range(self.regions) if not union >> r & 1), None)
 
 
 _arenas: dict[tuple[int, str], SharedArena] = {}
@@ -139,12 +203,25 @@ def _arena(group: dist.ProcessGroup, role: str) -> SharedArena:
     key = (id(group), role)
     arena = _arenas.get(key)
     if arena is None or arena.group is not group:
-        arena = _arenas[key] = SharedArena(group, f"{role}{len(_arenas)}")
+        regions = GATHER_REGIONS if role == "all_gather" else 1
+        arena = _arenas[key] = SharedArena(group, f"{role}{len(_arenas)}", regions)
     return arena
 
 
+_installed: list["ShmAllGather"] = []
+
+
 def release() -> None:
-    """Unmap every arena (the end of a job: a next job in the same process has groups of its own)."""
+    """Unmap every arena (the end of a job: a next job in the same process has groups of its own), and
+    log how this job's all-gathers went."""
+    counts = {"in_place": 0, "gloo": 0}
+    for comm in _installed:
+        for k, v in comm.counts.items():
+            counts[k] += v
+    if counts["in_place"]:
+        log.info("cpu_collectives=shm: %d all-gathers in place in shared memory, %d through gloo",
+                 counts["in_place"], counts["gloo"])
+    _installed.clear()
     _arenas.clear()
 
 
@@ -162,30 +239,55 @@ def empty_unfilled(size: Sequence[int], dtype: torch.dtype, device: torch.device
         deterministic.fill_uninitialized_memory = fill
 
 
-class ShmAllGather(AllGather):
-    """``shared=False``: gloo's all-gather, into a buffer allocated without the deterministic fill."""
+def _numel(size: Sequence[int]) -> int:
+    numel = 1
+    for s in size:
+        numel *= int(s)
+    return numel
 
-    def __init__(self, shared: bool = True):
-        self.shared = shared
+
+class ShmAllGather(AllGather):
+    """Lends FSDP its all-gather output from a region of the group's file (one ``allocate`` per
+    all-gather). ``shared=False``: gloo's all-gather, into a buffer allocated without the
+    deterministic fill."""
+
+    def __init__(self, group: dist.ProcessGroup, shared: bool = True):
+        self.group, self.shared = group, shared
+        self._lent: torch.Tensor | None = None
+        self.counts = {"in_place": 0, "gloo": 0}  # shared: all-gathers done each way
 
     def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        numel = _numel(size)
+        if self.shared and device.type == "cpu" and numel % self.group.size() == 0:
+            lent = _arena(self.group, "all_gather").lend(numel // self.group.size() * dtype.itemsize, dtype, numel)
+            if lent is not None:
+                self._lent = lent
+                return lent.view(*size)
         return empty_unfilled(size, dtype, device)
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  async_op: bool = False) -> dist.Work | None:
-        n, w = input_tensor.numel(), group.size()
-        arena = _arena(group, "all_gather")
-        slots = None
-        if self.shared and output_tensor.is_contiguous() and input_tensor.is_contiguous() and output_tensor.numel() == n * w:
-            slots = arena.slots(n * input_tensor.element_size(), input_tensor.dtype, n)
-        if slots is None:
+        lent, self._lent = self._lent, None
+        if not self.shared:
             return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
-        slots[arena.rank].copy_(input_tensor.view(-1))
-        arena.barrier()
-        out = output_tensor.view(w, n)
-        for k, slot in enumerate(slots):
-            out[k].copy_(slot)
-        arena.barrier()  # nobody writes the next all-gather into a slot still being read
+        arena = _arena(group, "all_gather")
+        if lent is not None:
+            n = input_tensor.numel()
+            own = lent.data_ptr() + arena.rank * n * lent.element_size()
+            if not (output_tensor.data_ptr() == lent.data_ptr() and output_tensor.numel() == lent.numel() == n * arena.size
+                    and input_tensor.data_ptr() == own and input_tensor.is_contiguous()):
+                # Every rank must take the same path; FSDP's in-place all-gather is what makes it no copy.
+                raise RuntimeError("cpu_collectives=shm: FSDP's all-gather did not use the output it allocated "
+                                   "in place (an FSDP this comm does not know); use launch.cpu_collectives=gloo")
+            arena.exchange(arena.barrier)  # the barrier is the whole collective: the shards are in place
+            self.counts["in_place"] += 1
+        elif arena.masks is not None and not arena.disabled:
+            # Every region was held at the last exchange (or this output is not one FSDP allocated here).
+            arena.exchange(lambda: dist.all_gather_into_tensor(output_tensor, input_tensor, group=group))
+            self.counts["gloo"] += 1
+        else:
+            self.counts["gloo"] += 1
+            return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
         return _done_work() if async_op else None
 
 
@@ -196,11 +298,10 @@ class ShmReduceScatter(ReduceScatter):
     def __init__(self, group: dist.ProcessGroup, shared: bool = True):
         self.group, self.shared = group, shared
         self._lent: torch.Tensor | None = None
+        self.counts = {"in_place": 0, "gloo": 0}  # shared: all-gathers done each way
 
     def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        numel = 1
-        for s in size:
-            numel *= int(s)
+        numel = _numel(size)
         # FSDP allocates the input first, then the (smaller) output, which must stay private memory.
         if self.shared and self._lent is None and device.type == "cpu" and numel % self.group.size() == 0:
             arena = _arena(self.group, "reduce_scatter")
@@ -255,7 +356,7 @@ def install(parts: Iterable[nn.Module], shared: bool = True) -> int:
     shared memory where ``shared`` and its shard group has more than one rank, else gloo's; either way
     with buffers allocated without the deterministic fill (a one-rank unit allocates its
     reduce-scatter buffers every step too). Returns how many units go through shared memory."""
-    gathers = {flag: ShmAllGather(flag) for flag in (True, False)}
+    gathers: dict[tuple[int, bool], ShmAllGather] = {}
     scatters: dict[tuple[int, bool], ShmReduceScatter] = {}
     n = 0
     for part in parts:
@@ -266,7 +367,10 @@ def install(parts: Iterable[nn.Module], shared: bool = True) -> int:
             if group is None:
                 continue
             flag = shared and group.size() > 1
-            module.set_custom_all_gather(gathers[flag])
+            if (id(group), flag) not in gathers:
+                gathers[id(group), flag] = ShmAllGather(group, flag)
+                _installed.append(gathers[id(group), flag])
+            module.set_custom_all_gather(gathers[id(group), flag])
             module.set_custom_reduce_scatter(scatters.setdefault((id(group), flag), ShmReduceScatter(group, flag)))
             n += flag
     return n
