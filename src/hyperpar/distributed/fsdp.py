@@ -40,7 +40,10 @@ def apply_fsdp(
     for i, block in enumerate(blocks):
         # The last block's params are needed right away by backward; keeping them saves one all-gather.
         fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward and i < len(blocks) - 1)
-    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    # The root (embeddings, final norm, head) is gathered from its pre-backward, the first of the
+    # backward, to its post-backward, the last: resharding it after forward would only free it and
+    # all-gather the largest unit again right away (FSDP's own default for a root).
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
     # Loss is a sum over the global batch divided by the global token count (see train/objective.py), so
     # gradients must be summed over data-parallel ranks, not averaged.
     for module in model.modules():
