@@ -52,7 +52,6 @@ def _spawn(body, world: int, out_dir: Path) -> list[dict]:
 
 def _train(rank: int, world: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import FSDPModule
 
     from hyperpar.distributed import shm_collectives as sc
     from hyperpar.distributed.fsdp import apply_fsdp
@@ -64,9 +63,8 @@ def _train(rank: int, world: int) -> dict:
                               *[nn.Sequential(nn.Linear(257, 129), nn.GELU(), nn.Linear(129, 257)) for _ in range(3)])
         mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp_replicate", "dp_shard"))
         apply_fsdp(model, list(model)[1:], mesh, param_dtype=param_dtype, reduce_dtype=torch.float32)
+        sc.release()  # the previous run's comms and arenas: the counts below are this run's
         units = sc.install([model]) if shm else 0
-        gathers = {id(m._get_fsdp_state()._fsdp_param_groups[0]._all_gather_comm): m._get_fsdp_state()._fsdp_param_groups[0]._all_gather_comm
-                   for m in model.modules() if isinstance(m, FSDPModule)}
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         gen = torch.Generator().manual_seed(1 + rank)
         losses = []
@@ -76,11 +74,7 @@ def _train(rank: int, world: int) -> dict:
             opt.step()
             opt.zero_grad()
             losses.append(loss.item())
-        counts = {"in_place": 0, "gloo": 0}
-        for comm in gathers.values():
-            for k, v in getattr(comm, "counts", {}).items():
-                counts[k] += v
-        return losses, [p.full_tensor().clone() for p in model.parameters()], units, counts
+        return losses, [p.full_tensor().clone() for p in model.parameters()], units, sc.gather_counts()
 
     report = {}
     for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):

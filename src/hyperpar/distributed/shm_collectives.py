@@ -211,13 +211,19 @@ def _arena(group: dist.ProcessGroup, role: str) -> SharedArena:
 _installed: list["ShmAllGather"] = []
 
 
-def release() -> None:
-    """Unmap every arena (the end of a job: a next job in the same process has groups of its own), and
-    log how this job's all-gathers went."""
+def gather_counts() -> dict[str, int]:
+    """How many all-gathers of the installed comms went in place in shared memory, and through gloo."""
     counts = {"in_place": 0, "gloo": 0}
     for comm in _installed:
         for k, v in comm.counts.items():
             counts[k] += v
+    return counts
+
+
+def release() -> None:
+    """Unmap every arena (the end of a job: a next job in the same process has groups of its own), and
+    log how this job's all-gathers went."""
+    counts = gather_counts()
     if counts["in_place"]:
         log.info("cpu_collectives=shm: %d all-gathers in place in shared memory, %d through gloo",
                  counts["in_place"], counts["gloo"])
@@ -298,7 +304,6 @@ class ShmReduceScatter(ReduceScatter):
     def __init__(self, group: dist.ProcessGroup, shared: bool = True):
         self.group, self.shared = group, shared
         self._lent: torch.Tensor | None = None
-        self.counts = {"in_place": 0, "gloo": 0}  # shared: all-gathers done each way
 
     def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         numel = _numel(size)
