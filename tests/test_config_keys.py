@@ -353,6 +353,9 @@ EFFECTS: dict[str, Effect] = {
     "train.max_grad_norm": Effect("run", ["train.max_grad_norm=0.01"], view=losses),
     "train.mixed_precision.param_dtype": Effect("run", ["train.mixed_precision.param_dtype=bfloat16"], view=losses),
     "train.mixed_precision.reduce_dtype": Effect("run", ["train.mixed_precision.reduce_dtype=bfloat16"], view=losses),
+    "train.mixed_precision.cpu_matmul": Effect("run", ["train.mixed_precision.cpu_matmul=fp32"],
+                                               ["train.mixed_precision.param_dtype=bfloat16", "train.mixed_precision.cpu_matmul=native"],
+                                               view=in_log("16-bit matmuls run as fp32 GEMMs")),
     "train.loss_parallel": Effect("plan", ["train.loss_parallel=false"], ["parallel=tp2"]),
     "train.compile": Effect("plan", ["train.compile=true"]),  # the run: tests/test_compile.py
     "train.activation_checkpoint": Effect("run", ["train.activation_checkpoint=full"], view=probe("checkpointed_blocks")),

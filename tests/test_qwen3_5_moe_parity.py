@@ -18,6 +18,7 @@ from hyperpar.errors import ConfigError
 from helpers import hf_named_grads, perturb_
 from hyperpar.models import from_hf, to_hf
 from hyperpar.models.hf_io import hf_state_dict
+from hyperpar.models.layers import cpu_matmul
 from hyperpar.models.output import ModelOutput
 from hyperpar.models.qwen3_5_moe import (
     FLAVORS,
@@ -155,9 +156,16 @@ def test_bf16_close_to_transformers() -> None:
     ours = ours_from_hf(hf, TINY)
     hf, ours = hf.to(torch.bfloat16), ours.to(torch.bfloat16)
     ids = ids_for(70)
-    with torch.no_grad():
-        ref = hf(input_ids=ids, use_cache=False).logits
-        got = ours(ids).logits
+    # Like against like: transformers runs torch's own bf16 GEMM, so ours does here too (on a CPU
+    # without bf16 GEMM, "auto" would sum in another order and break the same near-ties;
+    # tests/test_cpu_matmul.py holds that path against fp32).
+    before = cpu_matmul.set_policy("native")
+    try:
+        with torch.no_grad():
+            ref = hf(input_ids=ids, use_cache=False).logits
+            got = ours(ids).logits
+    finally:
+        cpu_matmul.set_policy(before)
     assert got.dtype == torch.bfloat16 and torch.isfinite(got).all()
     # Measured 0.0059 (max |logit| 0.72; torch 2.13 CPU): 2x that. With other seeds a top-k tie that bf16
     # rounding breaks differently in the two implementations routes a token elsewhere (up to 0.035).

@@ -22,6 +22,9 @@ CPU_COLLECTIVES = ("shm", "gloo")  # launch.cpu_collectives (distributed/shm_col
 class MixedPrecisionConfig:
     param_dtype: str = "float32"  # float32 | bfloat16 | float16
     reduce_dtype: str = "float32"
+    # 16-bit matmuls on CPU: auto (fp32 GEMMs on the 16-bit values where the CPU has no 16-bit GEMM,
+    # e.g. x86 without AVX-512) | native (torch's own 16-bit GEMM) | fp32 (always on CPU)
+    cpu_matmul: str = "auto"
 
 
 @dataclass
@@ -230,6 +233,7 @@ _VALUE_RULES: list[tuple[str, Any, str]] = [
     ("train.stop_after_steps", lambda v: v is None or v >= 0, ">= 0 or null"),
     ("train.mixed_precision.param_dtype", lambda v: v in _DTYPES, "one of float32, bfloat16, float16"),
     ("train.mixed_precision.reduce_dtype", lambda v: v in _DTYPES, "one of float32, bfloat16, float16"),
+    ("train.mixed_precision.cpu_matmul", lambda v: v in ("auto", "native", "fp32"), "one of auto, native, fp32"),
     ("train.activation_checkpoint", lambda v: v in ("none", "full", "selective"), "one of none, full, selective"),
     ("optim.lr", lambda v: _finite(v) and v >= 0, "a finite number >= 0"),
     ("optim.warmup_steps", lambda v: v >= 0, ">= 0"),

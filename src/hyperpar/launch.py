@@ -73,6 +73,8 @@ def worker_main(cfg: DictConfig, run_dir: str) -> dict[str, Any]:
     import torch.distributed as dist
     from hyperpar.checkpoint.preemption import PreemptionFlag
     from hyperpar.config import build as instantiate
+    from hyperpar.config import dtype_of
+    from hyperpar.models.layers import cpu_matmul
 
     from hyperpar.data.loader import DistributedBatchLoader
     from hyperpar.data.pad import pad_token_id
@@ -99,6 +101,9 @@ def worker_main(cfg: DictConfig, run_dir: str) -> dict[str, Any]:
         tune_host_allocator(cfg.launch.host_allocator)
         if cfg.launch.flush_denormals:
             denormals.flush_denormals(True)
+    matmul_before = cpu_matmul.set_policy(cfg.train.mixed_precision.cpu_matmul)
+    if dev.type == "cpu" and (line := cpu_matmul.describe(dtype_of(cfg.train.mixed_precision.param_dtype))):
+        log.info(line)
     dev.set_device(local_rank)
     device = dev.device(local_rank)
     _init_process_group(dev.backend, rank, world)
@@ -175,6 +180,7 @@ def worker_main(cfg: DictConfig, run_dir: str) -> dict[str, Any]:
         preemption.restore()
         if denormals.flushing() != denormals_before:
             denormals.flush_denormals(denormals_before)
+        cpu_matmul.set_policy(matmul_before)
         shm_collectives.release()
         if dist.is_initialized():
             dist.destroy_process_group()

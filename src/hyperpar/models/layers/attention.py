@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hyperpar.models.layers.cpu_matmul import Linear, upcast
 from hyperpar.models.layers.documents import Documents
 from hyperpar.models.layers.norms import RMSNorm
 from hyperpar.models.layers.rope import apply_rotary
@@ -43,6 +44,9 @@ def attention_core(
     (B, S) batch (needs causal, S_kv = S); ``doc_impl``: "auto", "varlen", "split" (one SDPA per
     document) or "mask" (block-causal mask), all giving the same result.
     """
+    if upcast(q):  # no 16-bit GEMM on this CPU: the kernel in fp32 on the 16-bit values, rounded back
+        out = attention_core(q.float(), k.float(), v.float(), causal=causal, scale=scale, doc=doc, doc_impl=doc_impl)
+        return out.to(q.dtype)
     nh, nkv = q.shape[2], k.shape[2]
     gqa = nh != nkv
     if doc is not None:
@@ -147,10 +151,10 @@ class Attention(nn.Module):
         self.output_gate = output_gate
         self.scale = head_dim**-0.5
         q_width = num_heads * head_dim * (2 if output_gate else 1)
-        self.q_proj = nn.Linear(hidden_size, q_width, bias=bias)
-        self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
-        self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
-        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=bias)
+        self.q_proj = Linear(hidden_size, q_width, bias=bias)
+        self.k_proj = Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
+        self.v_proj = Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
+        self.o_proj = Linear(num_heads * head_dim, hidden_size, bias=bias)
         self.q_norm = RMSNorm(head_dim, eps, offset=norm_offset)
         self.k_norm = RMSNorm(head_dim, eps, offset=norm_offset)
         self.core = AttentionCore(self.scale)

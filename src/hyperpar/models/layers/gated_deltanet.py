@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hyperpar.models.layers.cpu_matmul import Linear
 from hyperpar.models.layers.documents import Documents
 from hyperpar.models.layers.local import local
 from hyperpar.models.layers.norms import GatedRMSNorm
@@ -350,12 +351,12 @@ class GatedDeltaNet(nn.Module):
         self.value_head_dim = value_head_dim
         key_dim = num_key_heads * key_head_dim
         value_dim = num_value_heads * value_head_dim
-        self.in_proj_q = nn.Linear(hidden_size, key_dim, bias=False)
-        self.in_proj_k = nn.Linear(hidden_size, key_dim, bias=False)
-        self.in_proj_v = nn.Linear(hidden_size, value_dim, bias=False)
-        self.in_proj_z = nn.Linear(hidden_size, value_dim, bias=False)
-        self.in_proj_b = nn.Linear(hidden_size, num_value_heads, bias=False)
-        self.in_proj_a = nn.Linear(hidden_size, num_value_heads, bias=False)
+        self.in_proj_q = Linear(hidden_size, key_dim, bias=False)
+        self.in_proj_k = Linear(hidden_size, key_dim, bias=False)
+        self.in_proj_v = Linear(hidden_size, value_dim, bias=False)
+        self.in_proj_z = Linear(hidden_size, value_dim, bias=False)
+        self.in_proj_b = Linear(hidden_size, num_value_heads, bias=False)
+        self.in_proj_a = Linear(hidden_size, num_value_heads, bias=False)
         K = conv_kernel_size
         self.conv1d_q = nn.Conv1d(key_dim, key_dim, K, groups=key_dim, bias=False)
         self.conv1d_k = nn.Conv1d(key_dim, key_dim, K, groups=key_dim, bias=False)
@@ -364,7 +365,7 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.empty(num_value_heads).uniform_(0.01, 16).log_())
         self.recurrence = GatedDeltaRule(chunk_size)
         self.norm = GatedRMSNorm(value_head_dim, eps)
-        self.out_proj = nn.Linear(value_dim, hidden_size, bias=False)
+        self.out_proj = Linear(value_dim, hidden_size, bias=False)
 
     @property
     def chunk_size(self) -> int:

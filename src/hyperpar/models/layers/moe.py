@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hyperpar.models.layers.cpu_matmul import Linear, linear, upcast
 from hyperpar.models.layers.local import local
 from hyperpar.models.layers.mlp import SwiGLUMLP
 
@@ -155,7 +156,7 @@ class TopKRouter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> Routing:
         """x: (T, H)."""
-        logits = F.linear(x, self.weight)  # (T, E)
+        logits = linear(x, self.weight)  # (T, E)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         top_p, top_i = torch.topk(probs, self.top_k, dim=-1)  # sorted, descending
         if self.norm_topk_prob:
@@ -207,16 +208,28 @@ class _GroupedLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         ctx.save_for_backward(x, w, offs)
+        if upcast(x):  # no 16-bit GEMM on this CPU: fp32 GEMMs on the 16-bit values
+            return torch._grouped_mm(x.float(), w.float().transpose(-2, -1), offs=offs).to(x.dtype)
         return torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):  # type: ignore[override]
         x, w, offs = ctx.saved_tensors
         g = g.contiguous()
-        dx = torch._grouped_mm(g, w, offs=offs) if ctx.needs_input_grad[0] else None
+        dtype = x.dtype
+        if upcast(x):
+            g, x, w = g.float(), x.float(), w.float()
+        dx = torch._grouped_mm(g, w, offs=offs).to(dtype) if ctx.needs_input_grad[0] else None
         # (out, N) x (N, in) grouped over N: one (out, in) block per expert, zeros for empty ones.
-        dw = torch._grouped_mm(g.t(), x, offs=offs) if ctx.needs_input_grad[1] else None
+        dw = torch._grouped_mm(g.t(), x, offs=offs).to(dtype) if ctx.needs_input_grad[1] else None
         return dx, dw, None
+
+
+def _mm_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
+    if upcast(a):  # no 16-bit GEMM on this CPU: an fp32 GEMM on the 16-bit values, rounded into out
+        out.copy_(a.float() @ b.float())
+    else:
+        torch.mm(a, b, out=out)
 
 
 class _LoopLinear(torch.autograd.Function):
@@ -228,7 +241,7 @@ class _LoopLinear(torch.autograd.Function):
         start = 0
         for e, n in enumerate(sizes):
             if n:
-                torch.mm(x[start : start + n], w[e].t(), out=out[start : start + n])
+                _mm_into(x[start : start + n], w[e].t(), out[start : start + n])
             start += n
         ctx.sizes = sizes
         ctx.save_for_backward(x, w)
@@ -245,9 +258,9 @@ class _LoopLinear(torch.autograd.Function):
             if n:
                 gs = g[start : start + n]
                 if dx is not None:
-                    torch.mm(gs, w[e], out=dx[start : start + n])
+                    _mm_into(gs, w[e], dx[start : start + n])
                 if dw is not None:
-                    torch.mm(gs.t(), x[start : start + n], out=dw[e])
+                    _mm_into(gs.t(), x[start : start + n], dw[e])
             start += n
         return dx, dw, None
 
@@ -399,7 +412,7 @@ class SparseMoeBlock(nn.Module):
         self.shared_expert_gate: nn.Linear | None = None
         if shared_expert_intermediate_size:
             self.shared_expert = SwiGLUMLP(hidden_size, shared_expert_intermediate_size)
-            self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
+            self.shared_expert_gate = Linear(hidden_size, 1, bias=False)
 
     def forward(self, x: torch.Tensor, token_mask: torch.Tensor | None = None) -> torch.Tensor:
         shape = x.shape

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from hyperpar.models.layers.cpu_matmul import Linear
 from hyperpar.models.layers import (
     Attention,
     Documents,
@@ -144,7 +145,7 @@ class Qwen3_5ForCausalLM(nn.Module):
         super().__init__()
         self.args = args
         self.model = self.text_model_cls(args)
-        self.lm_head: nn.Linear | None = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.lm_head: nn.Linear | None = Linear(args.hidden_size, args.vocab_size, bias=False)
         self.tie_weights()
 
     def tie_weights(self) -> None:

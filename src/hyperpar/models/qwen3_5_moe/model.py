@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from hyperpar.models.layers.cpu_matmul import Linear
 from hyperpar.models.layers import Documents, RMSNorm, SparseMoeBlock, record_router_stats
 from hyperpar.models.output import ModelOutput
 from hyperpar.models.qwen3_5.args import FULL
@@ -67,7 +68,7 @@ class Qwen3_5MoeMTP(nn.Module):
         H, eps = args.hidden_size, args.rms_norm_eps
         self.pre_fc_norm_embedding = RMSNorm(H, eps, offset=True)
         self.pre_fc_norm_hidden = RMSNorm(H, eps, offset=True)
-        self.fc = nn.Linear(2 * H, H, bias=False)  # input order: [embedding; hidden]
+        self.fc = Linear(2 * H, H, bias=False)  # input order: [embedding; hidden]
         self.layers = nn.ModuleDict(
             {str(n): Qwen3_5MoeDecoderLayer(args, 0, layer_type=FULL) for n in range(args.mtp_num_hidden_layers)}
         )

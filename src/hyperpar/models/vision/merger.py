@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hyperpar.models.layers.cpu_matmul import Linear
+
 
 class PatchMerger(nn.Module):
     """``fc2(gelu(fc1(norm(x))))`` over groups of m² consecutive patch rows (one merge block).
@@ -20,8 +22,8 @@ class PatchMerger(nn.Module):
         self.merged_size = hidden_size * merge_size**2
         self.postshuffle_norm = postshuffle_norm
         self.norm = nn.LayerNorm(self.merged_size if postshuffle_norm else hidden_size, eps=1e-6)
-        self.linear_fc1 = nn.Linear(self.merged_size, self.merged_size)
-        self.linear_fc2 = nn.Linear(self.merged_size, out_size)
+        self.linear_fc1 = Linear(self.merged_size, self.merged_size)
+        self.linear_fc2 = Linear(self.merged_size, out_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (N, Dv) patch rows in merge-block order → (N / m², Dout)."""

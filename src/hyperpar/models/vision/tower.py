@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hyperpar.models.layers.cpu_matmul import Linear, linear
 from hyperpar.errors import DataError
 from hyperpar.models.layers import init_param_by_module
 from hyperpar.models.layers.attention import attention_core
@@ -41,7 +42,7 @@ class PatchEmbed(nn.Module):
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
         w = self.proj.weight
-        return F.linear(pixels.to(w.dtype), w.reshape(w.shape[0], -1), self.proj.bias)
+        return linear(pixels.to(w.dtype), w.reshape(w.shape[0], -1), self.proj.bias)
 
 
 class VisionAttention(nn.Module):
@@ -56,10 +57,10 @@ class VisionAttention(nn.Module):
         self.num_heads = num_heads
         self.head_dim = hidden_size // num_heads
         self.rope_theta = rope_theta
-        self.q = nn.Linear(hidden_size, hidden_size, bias=True)
-        self.k = nn.Linear(hidden_size, hidden_size, bias=True)
-        self.v = nn.Linear(hidden_size, hidden_size, bias=True)
-        self.proj = nn.Linear(hidden_size, hidden_size, bias=True)
+        self.q = Linear(hidden_size, hidden_size, bias=True)
+        self.k = Linear(hidden_size, hidden_size, bias=True)
+        self.v = Linear(hidden_size, hidden_size, bias=True)
+        self.proj = Linear(hidden_size, hidden_size, bias=True)
 
     def forward(self, x: torch.Tensor, coords: torch.Tensor, runs: list[tuple[int, int]]) -> torch.Tensor:
         N = x.shape[0]
@@ -85,8 +86,8 @@ class VisionMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, act: str) -> None:
         super().__init__()
         self.approximate = "tanh" if act == "gelu_pytorch_tanh" else "none"
-        self.linear_fc1 = nn.Linear(hidden_size, intermediate_size, bias=True)
-        self.linear_fc2 = nn.Linear(intermediate_size, hidden_size, bias=True)
+        self.linear_fc1 = Linear(hidden_size, intermediate_size, bias=True)
+        self.linear_fc2 = Linear(intermediate_size, hidden_size, bias=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear_fc2(F.gelu(self.linear_fc1(x), approximate=self.approximate))
