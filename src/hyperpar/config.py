@@ -16,6 +16,7 @@ from hyperpar.errors import ConfigError
 from hyperpar.host_allocator import MODES as HOST_ALLOCATOR_MODES
 
 CPU_COLLECTIVES = ("shm", "gloo")  # launch.cpu_collectives (distributed/shm_collectives.py)
+CPU_MATMUL = ("auto", "native", "fp32")  # train.mixed_precision.cpu_matmul (models/layers/cpu_matmul.py)
 
 
 @dataclass
@@ -233,7 +234,7 @@ _VALUE_RULES: list[tuple[str, Any, str]] = [
     ("train.stop_after_steps", lambda v: v is None or v >= 0, ">= 0 or null"),
     ("train.mixed_precision.param_dtype", lambda v: v in _DTYPES, "one of float32, bfloat16, float16"),
     ("train.mixed_precision.reduce_dtype", lambda v: v in _DTYPES, "one of float32, bfloat16, float16"),
-    ("train.mixed_precision.cpu_matmul", lambda v: v in ("auto", "native", "fp32"), "one of auto, native, fp32"),
+    ("train.mixed_precision.cpu_matmul", lambda v: v in CPU_MATMUL, f"one of {', '.join(CPU_MATMUL)}"),
     ("train.activation_checkpoint", lambda v: v in ("none", "full", "selective"), "one of none, full, selective"),
     ("optim.lr", lambda v: _finite(v) and v >= 0, "a finite number >= 0"),
     ("optim.warmup_steps", lambda v: v >= 0, ">= 0"),

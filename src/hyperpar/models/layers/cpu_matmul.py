@@ -16,14 +16,11 @@ does it only on a CPU that lacks the 16-bit GEMM; "native" never; "fp32" always 
 from __future__ import annotations
 
 import functools
-import logging
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
-
-log = logging.getLogger(__name__)
 
 POLICIES = ("auto", "native", "fp32")
 _HALF = (torch.bfloat16, torch.float16)
@@ -42,10 +39,6 @@ def set_policy(policy: str) -> str:
     return before
 
 
-def policy() -> str:
-    return _policy
-
-
 @functools.cache
 def native_half_gemm(dtype: torch.dtype) -> bool:
     """Whether this CPU has a 16-bit GEMM of ``dtype`` (as oneDNN reports it)."""
@@ -56,16 +49,21 @@ def native_half_gemm(dtype: torch.dtype) -> bool:
         return True
 
 
+def _upcasts(dtype: torch.dtype) -> bool:
+    """Whether a CPU matmul in ``dtype`` runs as an fp32 GEMM under the policy."""
+    if dtype not in _HALF or _policy == "native":
+        return False
+    return _policy == "fp32" or not native_half_gemm(dtype)
+
+
 def upcast(t: torch.Tensor) -> bool:
     """Whether a matmul on ``t`` (16-bit, on CPU) runs as an fp32 GEMM under the policy."""
-    if t.dtype not in _HALF or t.device.type != "cpu" or _policy == "native":
-        return False
-    return _policy == "fp32" or not native_half_gemm(t.dtype)
+    return t.device.type == "cpu" and _upcasts(t.dtype)
 
 
 def describe(dtype: torch.dtype) -> str | None:
-    """One log line on what 16-bit matmuls do on this CPU, or None when they run natively."""
-    if dtype not in _HALF or _policy == "native" or (_policy == "auto" and native_half_gemm(dtype)):
+    """One log line on what 16-bit CPU matmuls do, or None when they run natively."""
+    if not _upcasts(dtype):
         return None
     why = "this CPU has no %s GEMM (oneDNN)" % str(dtype).removeprefix("torch.") if _policy == "auto" else "cpu_matmul=fp32"
     return f"CPU: {why}: 16-bit matmuls run as fp32 GEMMs on the 16-bit values, rounded back (train.mixed_precision.cpu_matmul)"
