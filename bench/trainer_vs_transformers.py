@@ -4,7 +4,10 @@ training step (forward with labels, backward, AdamW) on the same checkpoint, one
 
 The checkpoint is built here (random weights, ``save_pretrained``) from PERF_NOTES' geometries.
 Rounds alternate the two sides (order swapped every round) so background load hits both alike;
-every side's first step of a round is warm-up. Prints the machine's fp32 / bf16 matmul peaks, each
+the first ``--warmup`` steps of every run are warm-up (compilation, first-touch of the optimizer state
+and of the heap; a compiled step settles at its third). The matmul peaks are measured before the
+first round and after every round, and the fastest is the peak (on a shared host one measurement can
+read 30 % low, which would flatter the fractions). Prints the machine's fp32 / bf16 matmul peaks, each
 side's median step time, tokens/s, fraction of the matmul peak reached in model FLOP/s, peak RSS
 per step, and the ratio transformers / ours (> 1: ours is faster). With ``--fsdp`` it also times
 ``fsdp2`` (2 processes x threads/2) against ``single`` (same global batch): the FSDP overhead.
@@ -149,9 +152,9 @@ def run_floor(ckpt: Path, a, steps: int, work: Path, extra: list[str]) -> tuple[
     return [max(x, y, key=lambda r: r["step_time_s"]) for x, y in zip(*pair)], None
 
 
-def summary(name: str, recs: list[list[dict]], flops_per_step: float, peak: float) -> dict:
-    times = [r["step_time_s"] for run in recs for r in run[1:]]  # each run's first step is warm-up
-    mem = [r.get("peak_mem_mb") or 0.0 for run in recs for r in run[1:]]
+def summary(name: str, recs: list[list[dict]], flops_per_step: float, peak: float, warmup: int) -> dict:
+    times = [r["step_time_s"] for run in recs for r in run[warmup:]]
+    mem = [r.get("peak_mem_mb") or 0.0 for run in recs for r in run[warmup:]]
     med = statistics.median(times)
     row = {"median_s": med, "min_s": min(times), "tokens_per_s": None, "peak_frac": flops_per_step / med / 1e9 / peak,
            "peak_mem_mb": max(mem)}
@@ -166,7 +169,8 @@ def main() -> None:
     ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--batch", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=4, help="steps per run (the first is warm-up)")
+    ap.add_argument("--steps", type=int, default=5, help="steps per run, warm-up included")
+    ap.add_argument("--warmup", type=int, default=2, help="steps at the start of every run left out of the figures")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--fsdp", action="store_true", help="also time fsdp2 (threads/2 each) against single")
@@ -178,10 +182,18 @@ def main() -> None:
                     help="also time transformers with subnormals flushed to zero, as our trainer runs by default")
     ap.add_argument("--ours", nargs="*", default=[], help="extra overrides for our runs (e.g. train.compile=true)")
     a = ap.parse_args()
+    if not 0 <= a.warmup < a.steps:
+        ap.error(f"--warmup {a.warmup} leaves no timed step of --steps {a.steps}")
 
-    peaks = {"fp32": matmul_peak(torch.float32, a.threads), "bf16": matmul_peak(torch.bfloat16, a.threads)}
-    print(f"machine: {os.cpu_count()} cores, {a.threads} threads; matmul peak fp32 {peaks['fp32']:.0f} GFLOP/s, "
-          f"bf16 {peaks['bf16']:.0f} GFLOP/s")
+    measured: dict[str, list[float]] = {"fp32": [], "bf16": []}
+
+    def measure_peaks() -> None:
+        for name, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+            measured[name].append(matmul_peak(dt, a.threads))
+
+    measure_peaks()
+    print(f"machine: {os.cpu_count()} cores, {a.threads} threads; matmul peak fp32 {measured['fp32'][0]:.0f} GFLOP/s, "
+          f"bf16 {measured['bf16'][0]:.0f} GFLOP/s (measured again after every round)")
     work = Path(tempfile.mkdtemp(prefix="hyperpar-bench-"))
     ckpt = work / "ckpt"
     save_checkpoint(a.config, ckpt)
@@ -195,7 +207,7 @@ def main() -> None:
         meta = (Qwen3_5MoeForCausalLM if is_moe(a.config) else Qwen3_5ForCausalLM)(args)
     flops_per_step = meta.flops_per_token(a.seq) * a.seq * a.batch
     print(f"config {a.config}, {a.dtype}, seq {a.seq} x batch {a.batch}, {flops_per_step / 1e12:.2f} TFLOP per step "
-          f"(model FLOPs), {a.rounds} rounds x {a.steps} steps per side")
+          f"(model FLOPs), {a.rounds} rounds x {a.steps} steps per side ({a.warmup} warm-up)")
 
     sides = {"ours": lambda: run_ours(ckpt, a, a.steps, "single", work, a.ours)}
     if not a.no_transformers:
@@ -215,10 +227,14 @@ def main() -> None:
             recs[name].append(run)
             if start is not None:
                 startup[name].append(start)
+        measure_peaks()
+    peaks = {k: max(v) for k, v in measured.items()}
+    print(f"matmul peak: fp32 {peaks['fp32']:.0f} GFLOP/s (fastest of {len(measured['fp32'])}, slowest "
+          f"{min(measured['fp32']):.0f}), bf16 {peaks['bf16']:.0f} (slowest {min(measured['bf16']):.0f})")
     # Against the machine's fastest GEMM: on a CPU without bf16 GEMM that is fp32's (which our bf16
     # step uses there, train.mixed_precision.cpu_matmul), elsewhere bf16's.
     peak = max(peaks[a.dtype], peaks["fp32"])
-    rows = {k: summary(k, v, flops_per_step, peak) for k, v in recs.items()}
+    rows = {k: summary(k, v, flops_per_step, peak, a.warmup) for k, v in recs.items()}
     for k, v in startup.items():
         if v:
             print(f"{k:>14}: launch to first step {statistics.median(v):.1f} s (process start, model load, first batch)")
