@@ -74,7 +74,7 @@ def worker_main(cfg: DictConfig, run_dir: str) -> dict[str, Any]:
     from hyperpar.checkpoint.preemption import PreemptionFlag
     from hyperpar.config import build as instantiate
     from hyperpar.config import dtype_of
-    from hyperpar.models.layers import cpu_matmul
+    from hyperpar.models.layers import cpu_matmul, onednn_gemm
 
     from hyperpar.data.loader import DistributedBatchLoader
     from hyperpar.data.pad import pad_token_id
@@ -103,6 +103,9 @@ def worker_main(cfg: DictConfig, run_dir: str) -> dict[str, Any]:
             denormals.flush_denormals(True)
     matmul_before = cpu_matmul.set_policy(cfg.train.mixed_precision.cpu_matmul)
     if dev.type == "cpu" and (line := cpu_matmul.describe(dtype_of(cfg.train.mixed_precision.param_dtype))):
+        log.info(line)
+    gemm_before = onednn_gemm.set_policy(cfg.launch.cpu_gemm)
+    if dev.type == "cpu" and (line := onednn_gemm.describe()):
         log.info(line)
     dev.set_device(local_rank)
     device = dev.device(local_rank)
@@ -181,6 +184,7 @@ def worker_main(cfg: DictConfig, run_dir: str) -> dict[str, Any]:
         if denormals.flushing() != denormals_before:
             denormals.flush_denormals(denormals_before)
         cpu_matmul.set_policy(matmul_before)
+        onednn_gemm.set_policy(gemm_before)
         shm_collectives.release()
         if dist.is_initialized():
             dist.destroy_process_group()

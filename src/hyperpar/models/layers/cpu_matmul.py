@@ -22,6 +22,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from hyperpar.models.layers import onednn_gemm
+
 POLICIES = ("auto", "native", "fp32")
 _HALF = (torch.bfloat16, torch.float16)
 _policy = "auto"
@@ -116,19 +118,22 @@ class _Fp32Linear(torch.autograd.Function):
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear``, through fp32 GEMMs where the policy says so for these 16-bit CPU tensors."""
+    """``F.linear``, through fp32 GEMMs where the policy says so for these 16-bit CPU tensors, and through
+    oneDNN's GEMM for fp32 CPU tensors where ``launch.cpu_gemm`` says so (:mod:`.onednn_gemm`)."""
     if upcast(x) and weight.dtype == x.dtype and (bias is None or bias.dtype == x.dtype):
         if isinstance(x, DTensor) or isinstance(weight, DTensor):
             # Tensor parallel: the same casts through DTensor's own ops (autograd then keeps the fp32
             # copies of input and weight for the backward, the price of not writing sharding rules).
             return F.linear(x.float(), weight.float(), bias.float() if bias is not None else None).to(x.dtype)
         return _Fp32Linear.apply(x, weight, bias)
+    if onednn_gemm.applies(x, weight, bias):
+        return onednn_gemm.linear(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
 class Linear(nn.Linear):
     """``nn.Linear`` (same parameters, same state-dict keys, same TP plans) whose matmul follows the
-    process's 16-bit CPU policy."""
+    process's CPU GEMM policies (16-bit: ``cpu_matmul``; fp32: ``launch.cpu_gemm``)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)

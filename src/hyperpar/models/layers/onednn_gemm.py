@@ -1,0 +1,145 @@
+"""fp32 linears through oneDNN's GEMM where torch's BLAS is the slower one (``launch.cpu_gemm``).
+
+torch's CPU fp32 ``mm`` calls MKL. MKL takes its AVX-512 kernels only on Intel CPUs: on an AMD CPU
+with AVX-512 (Zen 4 and later) it runs its AVX2 kernels. oneDNN, which torch also ships, picks its
+kernels by instruction set. Measured on a 2-core AMD EPYC with AVX-512, 2 threads, the GEMM shapes
+of dense_small's linears (forward, input gradient, weight gradient): 120-310 GFLOP/s through oneDNN
+against 110-150 through MKL (docs/guide/performance.md).
+
+Policies: ``auto`` (default) uses oneDNN on an AMD CPU with AVX-512 and the BLAS everywhere else;
+``onednn`` always (CPU, fp32); ``blas`` never. The GEMMs are fp32 with fp32 sums either way; only
+the order of the sums differs (~1e-6 relative on a 512-long dot product). Tensor-parallel (DTensor)
+weights, 16-bit tensors and non-CPU devices keep ``F.linear``.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+from torch.distributed.tensor import DTensor
+
+POLICIES = ("auto", "blas", "onednn")
+_policy = "auto"
+_active: bool | None = None
+_WIDE = 8192  # output features from which the weight gradient takes the transposed form  # the policy resolved on this CPU (read per call, also inside compiled code)
+
+
+def set_policy(policy: str) -> str:
+    """Set the process's policy; returns the previous one."""
+    global _policy, _active
+    if policy not in POLICIES:
+        raise ValueError(f"cpu_gemm={policy!r}: one of {', '.join(POLICIES)}")
+    before, _policy = _policy, policy
+    _active = _resolve(policy)
+    return before
+
+
+@functools.cache
+def _cpu_vendor() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:  # not Linux: no vendor known, so auto keeps the BLAS
+        pass
+    return ""
+
+
+def _avx512() -> bool:
+    return torch.backends.cpu.get_cpu_capability() in ("AVX512", "AVX512_BF16", "AMX")  # ATen's dispatch level
+
+
+def _onednn_available() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+@functools.cache
+def auto_choice() -> bool:
+    """What ``auto`` picks on this CPU: oneDNN on an AMD CPU with AVX-512."""
+    return _cpu_vendor() == "AuthenticAMD" and _avx512() and _onednn_available()
+
+
+def _resolve(policy: str) -> bool:
+    if policy == "blas":
+        return False
+    return _onednn_available() if policy == "onednn" else auto_choice()
+
+
+def uses_onednn() -> bool:
+    """Whether fp32 CPU linears run through oneDNN under the process's policy."""
+    global _active
+    if _active is None:
+        _active = _resolve(_policy)
+    return _active
+
+
+def describe() -> str | None:
+    """One log line when fp32 CPU linears run through oneDNN, else None."""
+    if not uses_onednn():
+        return None
+    why = "MKL runs its AVX2 kernels on this AMD CPU with AVX-512" if _policy == "auto" else "cpu_gemm=onednn"
+    return f"CPU: {why}: fp32 linears run through oneDNN's GEMM (launch.cpu_gemm)"
+
+
+# A custom op of our own: inductor (train.compile) keeps it as one opaque kernel call, where it would
+# try (and fail) to lower torch's ``mkldnn._linear_pointwise`` as a prepacked-weight inference op.
+@torch.library.custom_op("hyperpar::onednn_gemm", mutates_args=())
+def _gemm_op(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor]) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
+
+
+@_gemm_op.register_fake
+def _(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor]) -> torch.Tensor:
+    return x.new_empty(x.shape[0], w.shape[0])
+
+
+def _gemm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ w.T (+ b)`` for 2-D fp32 CPU tensors, any strides, through oneDNN."""
+    return _gemm_op(x, w, b)
+
+
+class _OneDnnLinear(torch.autograd.Function):
+    """``F.linear`` whose three GEMMs (forward, input and weight gradient) run through oneDNN."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:  # type: ignore[override]
+        x2 = x.reshape(-1, x.shape[-1])
+        ctx.save_for_backward(x2, w)
+        ctx.has_bias = b is not None
+        ctx.x_shape = x.shape
+        return _gemm(x2, w, b).view(*x.shape[:-1], w.shape[0])
+
+    @staticmethod
+    def backward(ctx, gy: torch.Tensor):  # type: ignore[override]
+        x2, w = ctx.saved_tensors
+        need_x, need_w, need_b = ctx.needs_input_grad
+        g2 = gy.reshape(-1, gy.shape[-1])
+        dx = _gemm(g2, w.t()).view(ctx.x_shape) if need_x else None  # g @ w
+        dw = None
+        if need_w:
+            # A wide output (the 32000-row head) runs faster as (xᵀ g)ᵀ and one copy (~190 against
+            # ~120 GFLOP/s for gᵀ x); a narrow one is as fast either way and skips the copy.
+            wide = w.shape[0] >= _WIDE
+            dw = _gemm(x2.t(), g2.t()).t().contiguous() if wide else _gemm(g2.t(), x2.t())
+        db = g2.sum(0) if need_b and ctx.has_bias else None
+        return dx, dw, db
+
+
+def applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether ``linear(x, weight, bias)`` takes the oneDNN path: plain fp32 CPU tensors, policy on."""
+    if isinstance(x, DTensor) or isinstance(weight, DTensor) or isinstance(bias, DTensor):
+        return False
+    if x.dtype != torch.float32 or weight.dtype != torch.float32 or (bias is not None and bias.dtype != torch.float32):
+        return False
+    return x.device.type == "cpu" and weight.device.type == "cpu" and x.numel() > 0 and uses_onednn()
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` through oneDNN (call only where :func:`applies`)."""
+    if not torch.is_grad_enabled() or not (x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)):
+        return _gemm(x.reshape(-1, x.shape[-1]), weight, bias).view(*x.shape[:-1], weight.shape[0])
+    return _OneDnnLinear.apply(x, weight, bias)
+

@@ -1,0 +1,121 @@
+"""fp32 linears through oneDNN's GEMM (launch.cpu_gemm): same values and gradients as fp64, as close
+as torch's BLAS path is; compiled and eager agree; the auto decision and bad policies."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hyperpar.models.layers import onednn_gemm
+from hyperpar.models.layers.cpu_matmul import Linear
+
+pytestmark = pytest.mark.skipif(not onednn_gemm._onednn_available(), reason="torch built without oneDNN")
+
+
+@pytest.fixture
+def policy():
+    before = onednn_gemm.set_policy("auto")
+    yield onednn_gemm.set_policy
+    onednn_gemm.set_policy(before)
+
+
+def _run(lin: Linear, x: torch.Tensor, g: torch.Tensor):
+    x = x.detach().clone().requires_grad_()
+    lin.zero_grad(set_to_none=True)
+    y = lin(x)
+    y.backward(g)
+    return y.detach(), x.grad, lin.weight.grad, None if lin.bias is None else lin.bias.grad
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
+
+
+@pytest.mark.parametrize("shape,out,bias", [((3, 50, 96), 160, True), ((70, 64), 9000, False)])
+def test_linear_matches_fp64_as_closely_as_blas(policy, shape, out, bias):
+    # 9000 outputs take the wide-output weight-gradient form, 160 the plain one.
+    torch.manual_seed(0)
+    lin = Linear(shape[-1], out, bias=bias)
+    x = torch.randn(shape)
+    g = torch.randn(*shape[:-1], out)
+    policy("onednn")
+    assert onednn_gemm.uses_onednn()
+    got = _run(lin, x, g)
+    policy("blas")
+    blas = _run(lin, x, g)
+    lin64 = Linear(shape[-1], out, bias=bias).double()
+    lin64.load_state_dict({k: v.double() for k, v in lin.state_dict().items()})
+    ref = _run(lin64, x.double(), g.double())
+    for name, a, b, r in zip(("y", "dx", "dw", "db"), got, blas, ref):
+        if r is None:
+            assert a is None and b is None
+            continue
+        assert a.dtype == torch.float32 and a.shape == r.shape and a.is_contiguous(), name
+        assert _rel(a, r) <= max(4 * _rel(b, r), 1e-6), (name, _rel(a, r), _rel(b, r))
+
+
+def test_inference_and_partial_grads(policy):
+    policy("onednn")
+    torch.manual_seed(1)
+    lin = Linear(32, 48)
+    x = torch.randn(5, 32)
+    with torch.no_grad():
+        y = lin(x)
+    torch.testing.assert_close(y, x @ lin.weight.t() + lin.bias, rtol=1e-5, atol=1e-5)
+    lin.weight.requires_grad_(False)
+    xr = x.clone().requires_grad_()
+    lin(xr).sum().backward()
+    torch.testing.assert_close(xr.grad, lin.weight.sum(0).expand(5, 32), rtol=1e-5, atol=1e-5)
+    assert lin.weight.grad is None and lin.bias.grad is not None
+
+
+def test_compiled_matches_eager(policy):
+    policy("onednn")
+    torch.manual_seed(2)
+    lin = Linear(64, 96)
+
+    def f(x):
+        return torch.nn.functional.silu(lin(x)).square().sum()
+
+    x = torch.randn(2, 40, 64)
+    xe, xc = x.clone().requires_grad_(), x.clone().requires_grad_()
+    f(xe).backward()
+    ge = lin.weight.grad.clone()
+    lin.zero_grad(set_to_none=True)
+    torch.compile(f, fullgraph=True)(xc).backward()
+    torch.testing.assert_close(xc.grad, xe.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lin.weight.grad, ge, rtol=1e-5, atol=1e-5)
+
+
+def test_other_dtypes_and_blas_keep_f_linear(policy):
+    lin = Linear(16, 8).to(torch.bfloat16)
+    assert not onednn_gemm.applies(torch.randn(2, 16, dtype=torch.bfloat16), lin.weight, lin.bias)
+    policy("blas")
+    assert not onednn_gemm.uses_onednn()
+    assert not onednn_gemm.applies(torch.randn(2, 16), torch.randn(8, 16), None)
+    assert onednn_gemm.describe() is None
+    policy("onednn")
+    assert onednn_gemm.applies(torch.randn(2, 16), torch.randn(8, 16), None)
+    assert "oneDNN" in onednn_gemm.describe()
+
+
+@pytest.mark.parametrize("vendor,capability,expect", [
+    ("AuthenticAMD", "AVX512", True), ("GenuineIntel", "AVX512", False), ("AuthenticAMD", "AVX2", False), ("", "AVX512", False),
+])
+def test_auto_decision(policy, monkeypatch, vendor, capability, expect):
+    onednn_gemm.auto_choice.cache_clear()
+    monkeypatch.setattr(onednn_gemm, "_cpu_vendor", lambda: vendor)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    try:
+        policy("auto")
+        assert onednn_gemm.uses_onednn() is expect
+        assert (onednn_gemm.describe() is not None) is expect
+    finally:
+        monkeypatch.undo()
+        onednn_gemm.auto_choice.cache_clear()
+        policy("auto")
+
+
+def test_bad_policy():
+    with pytest.raises(ValueError, match="cpu_gemm='mkl'"):
+        onednn_gemm.set_policy("mkl")
