@@ -54,9 +54,10 @@ def _set_on_openmp_threads(enabled: bool, threads: int) -> int:
     return len(seen)
 
 
-def flush_denormals(enabled: bool) -> bool:
+def flush_denormals(enabled: bool, *, quiet: bool = False) -> bool:
     """Flush subnormal floats to zero (``enabled``) or keep IEEE behaviour, on this thread and on the
-    OpenMP pool's threads. Returns whether the CPU supports the mode (False: nothing changed)."""
+    OpenMP pool's threads. Returns whether the CPU supports the mode (False: nothing changed).
+    ``quiet``: no log line when it took effect on every thread (the launcher writes one CPU line)."""
     if not torch.set_flush_denormal(enabled):
         log.info("flush denormals: not supported on this CPU; left as it is")
         return False
@@ -64,6 +65,6 @@ def flush_denormals(enabled: bool) -> bool:
     reached = _set_on_openmp_threads(enabled, threads) if threads > 1 else 1
     if reached < threads:
         log.warning("flush denormals: set on %d of %d compute threads (no libgomp pool to reach)", reached, threads)
-    elif enabled:
+    elif enabled and not quiet:
         log.info("CPU: subnormal floats flush to zero on %d compute thread(s) (launch.flush_denormals)", threads)
     return True

@@ -97,16 +97,17 @@ def worker_main(cfg: DictConfig, run_dir: str) -> dict[str, Any]:
     set_deterministic(bool(cfg.train.deterministic))  # before the first kernel on the device
     dev = resolve_device(cfg.device)
     denormals_before = denormals.flushing()  # an in-process caller's own mode is handed back as it was
+    matmul_before = cpu_matmul.set_policy(cfg.train.mixed_precision.cpu_matmul)
+    gemm_before = onednn_gemm.set_policy(cfg.launch.cpu_gemm)
     if dev.type == "cpu":  # on CPU the step's activations and gradients are host memory
         tune_host_allocator(cfg.launch.host_allocator)
-        if cfg.launch.flush_denormals:
-            denormals.flush_denormals(True)
-    matmul_before = cpu_matmul.set_policy(cfg.train.mixed_precision.cpu_matmul)
-    if dev.type == "cpu" and (line := cpu_matmul.describe(dtype_of(cfg.train.mixed_precision.param_dtype))):
-        log.info(line)
-    gemm_before = onednn_gemm.set_policy(cfg.launch.cpu_gemm)
-    if dev.type == "cpu" and (line := onednn_gemm.describe()):
-        log.info(line)
+        cpu_facts = []  # one console line for the CPU's run-time choices (a bad-input run stays short)
+        if cfg.launch.flush_denormals and denormals.flush_denormals(True, quiet=True) and denormals.flushing():
+            cpu_facts.append("subnormal floats flush to zero (launch.flush_denormals)")
+        cpu_facts += [fact for fact in (cpu_matmul.describe(dtype_of(cfg.train.mixed_precision.param_dtype)),
+                                        onednn_gemm.describe()) if fact]
+        if cpu_facts:
+            log.info("CPU: %s", "; ".join(cpu_facts))
     dev.set_device(local_rank)
     device = dev.device(local_rank)
     _init_process_group(dev.backend, rank, world)

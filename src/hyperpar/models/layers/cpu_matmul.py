@@ -64,11 +64,11 @@ def upcast(t: torch.Tensor) -> bool:
 
 
 def describe(dtype: torch.dtype) -> str | None:
-    """One log line on what 16-bit CPU matmuls do, or None when they run natively."""
+    """What 16-bit CPU matmuls do (a clause of the launcher's CPU line), or None when they run natively."""
     if not _upcasts(dtype):
         return None
     why = "this CPU has no %s GEMM (oneDNN)" % str(dtype).removeprefix("torch.") if _policy == "auto" else "cpu_matmul=fp32"
-    return f"CPU: {why}: 16-bit matmuls run as fp32 GEMMs on the 16-bit values, rounded back (train.mixed_precision.cpu_matmul)"
+    return f"{why}: 16-bit matmuls run as fp32 GEMMs on the 16-bit values, rounded back (train.mixed_precision.cpu_matmul)"
 
 
 def _rows(n_out: int) -> int:
@@ -117,16 +117,17 @@ class _Fp32Linear(torch.autograd.Function):
         )
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, onednn: bool = True) -> torch.Tensor:
     """``F.linear``, through fp32 GEMMs where the policy says so for these 16-bit CPU tensors, and through
-    oneDNN's GEMM for fp32 CPU tensors where ``launch.cpu_gemm`` says so (:mod:`.onednn_gemm`)."""
+    oneDNN's GEMM for fp32 CPU tensors where ``launch.cpu_gemm`` says so (:mod:`.onednn_gemm`) unless
+    ``onednn=False``."""
     if upcast(x) and weight.dtype == x.dtype and (bias is None or bias.dtype == x.dtype):
         if isinstance(x, DTensor) or isinstance(weight, DTensor):
             # Tensor parallel: the same casts through DTensor's own ops (autograd then keeps the fp32
             # copies of input and weight for the backward, the price of not writing sharding rules).
             return F.linear(x.float(), weight.float(), bias.float() if bias is not None else None).to(x.dtype)
         return _Fp32Linear.apply(x, weight, bias)
-    if onednn_gemm.applies(x, weight, bias):
+    if onednn and onednn_gemm.applies(x, weight, bias):
         return onednn_gemm.linear(x, weight, bias)
     return F.linear(x, weight, bias)
 

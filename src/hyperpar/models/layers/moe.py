@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hyperpar.models.layers import onednn_gemm
 from hyperpar.models.layers.cpu_matmul import Linear, linear, upcast
 from hyperpar.models.layers.local import local
 from hyperpar.models.layers.mlp import SwiGLUMLP
@@ -156,7 +157,9 @@ class TopKRouter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> Routing:
         """x: (T, H)."""
-        logits = linear(x, self.weight)  # (T, E)
+        # The BLAS's sums in fp32, not oneDNN's (launch.cpu_gemm): a tiny GEMM whose rounding picks
+        # routes, kept like transformers' so a near-tied route falls the same way.
+        logits = linear(x, self.weight, onednn=False)  # (T, E)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         top_p, top_i = torch.topk(probs, self.top_k, dim=-1)  # sorted, descending
         if self.norm_topk_prob:
@@ -228,6 +231,8 @@ class _GroupedLinear(torch.autograd.Function):
 def _mm_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
     if upcast(a):  # no 16-bit GEMM on this CPU: an fp32 GEMM on the 16-bit values, rounded into out
         out.copy_(a.float() @ b.float())
+    elif onednn_gemm.applies(a, b, None):  # fp32 on a CPU where oneDNN's GEMM is the faster (launch.cpu_gemm)
+        out.copy_(onednn_gemm.mm(a, b))
     else:
         torch.mm(a, b, out=out)
 
@@ -282,7 +287,9 @@ def experts_forward(
     impl: "grouped" (``torch._grouped_mm``), "loop" (one mm per non-empty expert) or "auto".
     """
     if impl == "auto":
-        impl = "grouped" if grouped_mm_supported(x, w_gate, w_down) else "loop"
+        # fp32 where oneDNN's GEMM is the faster (launch.cpu_gemm): the loop, whose mm goes through it
+        onednn = x.dtype == torch.float32 and onednn_gemm.applies(x, w_gate, None)
+        impl = "grouped" if grouped_mm_supported(x, w_gate, w_down) and not onednn else "loop"
     if x.dtype != w_gate.dtype:  # e.g. fp32 activations reaching bf16 expert weights
         x = x.to(w_gate.dtype)
     if impl == "grouped":

@@ -8,7 +8,8 @@ against 110-150 through MKL (docs/guide/performance.md).
 
 Policies: ``auto`` (default) uses oneDNN on an AMD CPU with AVX-512 and the BLAS everywhere else;
 ``onednn`` always (CPU, fp32); ``blas`` never. The GEMMs are fp32 with fp32 sums either way; only
-the order of the sums differs (~1e-6 relative on a 512-long dot product). Tensor-parallel (DTensor)
+the order of the sums differs (~1e-6 relative on a 512-long dot product). The MoE experts' fp32
+GEMMs take the per-expert loop through it too (``moe.experts_forward``). Tensor-parallel (DTensor)
 weights, 16-bit tensors and non-CPU devices keep ``F.linear``.
 """
 
@@ -77,28 +78,37 @@ def uses_onednn() -> bool:
 
 
 def describe() -> str | None:
-    """One log line when fp32 CPU linears run through oneDNN, else None."""
+    """A clause of the launcher's CPU line when fp32 CPU linears run through oneDNN, else None."""
     if not uses_onednn():
         return None
     why = "MKL runs its AVX2 kernels on this AMD CPU with AVX-512" if _policy == "auto" else "cpu_gemm=onednn"
-    return f"CPU: {why}: fp32 linears run through oneDNN's GEMM (launch.cpu_gemm)"
+    return f"{why}: fp32 linears run through oneDNN's GEMM (launch.cpu_gemm)"
 
 
 # A custom op of our own: inductor (train.compile) keeps it as one opaque kernel call, where it would
 # try (and fail) to lower torch's ``mkldnn._linear_pointwise`` as a prepacked-weight inference op.
 @torch.library.custom_op("hyperpar::onednn_gemm", mutates_args=())
 def _gemm_op(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor]) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
+    if x.dim() == 2:
+        return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
+    y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), w, b, "none", [], "")
+    # a tensor of its own, not a view (as F.linear's): FSDP warns about a module returning a view
+    return torch.ops.aten._unsafe_view(y, (*x.shape[:-1], w.shape[0]))
 
 
 @_gemm_op.register_fake
 def _(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor]) -> torch.Tensor:
-    return x.new_empty(x.shape[0], w.shape[0])
+    return x.new_empty(*x.shape[:-1], w.shape[0])
 
 
 def _gemm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ w.T (+ b)`` for 2-D fp32 CPU tensors, any strides, through oneDNN."""
+    """``x @ w.T (+ b)`` for fp32 CPU tensors (x: any leading dims, any strides) through oneDNN."""
     return _gemm_op(x, w, b)
+
+
+def mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` for 2-D fp32 CPU tensors through oneDNN (the experts' per-expert GEMMs)."""
+    return _gemm(a, b.t())
 
 
 class _OneDnnLinear(torch.autograd.Function):
@@ -109,15 +119,14 @@ class _OneDnnLinear(torch.autograd.Function):
         x2 = x.reshape(-1, x.shape[-1])
         ctx.save_for_backward(x2, w)
         ctx.has_bias = b is not None
-        ctx.x_shape = x.shape
-        return _gemm(x2, w, b).view(*x.shape[:-1], w.shape[0])
+        return _gemm(x, w, b)
 
     @staticmethod
     def backward(ctx, gy: torch.Tensor):  # type: ignore[override]
         x2, w = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad
         g2 = gy.reshape(-1, gy.shape[-1])
-        dx = _gemm(g2, w.t()).view(ctx.x_shape) if need_x else None  # g @ w
+        dx = _gemm(gy, w.t()) if need_x else None  # g @ w
         dw = None
         if need_w:
             # A wide output (the 32000-row head) runs faster as (xᵀ g)ᵀ and one copy (~190 against
@@ -140,6 +149,6 @@ def applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear`` through oneDNN (call only where :func:`applies`)."""
     if not torch.is_grad_enabled() or not (x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)):
-        return _gemm(x.reshape(-1, x.shape[-1]), weight, bias).view(*x.shape[:-1], weight.shape[0])
+        return _gemm(x, weight, bias)
     return _OneDnnLinear.apply(x, weight, bias)
 
