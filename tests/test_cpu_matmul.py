@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hyperpar.models.layers import cpu_matmul
+from hyperpar.models.layers import cpu_matmul, onednn_gemm
 from hyperpar.models.layers.attention import attention_core
 from hyperpar.models.layers.moe import experts_forward
 
@@ -63,10 +63,11 @@ def test_linear_wide_and_chunked(dtype: torch.dtype) -> None:
     check_against_fp64(cpu_matmul.linear, x, w, b)
 
 
-def test_linear_module_keeps_nn_linear_and_fp32_untouched() -> None:
+def test_linear_module_keeps_nn_linear_and_fp32_untouched(monkeypatch) -> None:
     lin = cpu_matmul.Linear(8, 4, bias=False)
     assert isinstance(lin, torch.nn.Linear) and list(lin.state_dict()) == ["weight"]
     x = torch.randn(3, 8)
+    monkeypatch.setattr(onednn_gemm, "_active", False)  # fp32's own GEMM choice: tests/test_onednn_gemm.py
     with policy("fp32"):  # fp32 tensors are never touched
         assert torch.equal(lin(x), F.linear(x, lin.weight))
 

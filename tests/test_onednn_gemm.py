@@ -13,7 +13,9 @@ pytestmark = pytest.mark.skipif(not onednn_gemm._onednn_available(), reason="tor
 
 
 @pytest.fixture
-def policy():
+def policy(monkeypatch):
+    # the small GEMMs here take the oneDNN path too (the size floor has its own test)
+    monkeypatch.setattr(onednn_gemm, "_MIN_MACS", 0)
     before = onednn_gemm.set_policy("auto")
     yield onednn_gemm.set_policy
     onednn_gemm.set_policy(before)
@@ -138,6 +140,21 @@ def test_auto_decision(policy, monkeypatch, vendor, capability, expect):
         monkeypatch.undo()
         onednn_gemm.auto_choice.cache_clear()
         policy("auto")
+
+
+def test_small_gemms_stay_on_the_blas(policy, monkeypatch):
+    policy("onednn")
+    monkeypatch.setattr(onednn_gemm, "_MIN_MACS", 1 << 23)
+    w = torch.randn(512, 512)
+    assert not onednn_gemm.applies(torch.randn(31, 512), w, None)  # 8.1M multiply-adds
+    assert onednn_gemm.applies(torch.randn(2, 16, 512), w, None)  # 8.4M
+    calls = []
+    real = onednn_gemm._gemm
+    monkeypatch.setattr(onednn_gemm, "_gemm", lambda *a: calls.append(1) or real(*a))
+    Linear(512, 512)(torch.randn(31, 512)).sum().backward()
+    assert not calls
+    Linear(512, 512)(torch.randn(32, 512, requires_grad=True)).sum().backward()
+    assert len(calls) == 3  # forward, input gradient, weight gradient
 
 
 def test_bad_policy():
