@@ -35,6 +35,8 @@ from pathlib import Path
 
 import torch
 
+from hyperpar.models.layers import onednn_gemm
+
 sys.path.insert(0, str(Path(__file__).parent))
 from train_throughput import COMMON, CONFIGS, is_moe  # noqa: E402  (the geometries, one place)
 
@@ -51,7 +53,7 @@ def matmul_peak(dtype: torch.dtype, threads: int, n: int = 2048, reps: int = 5) 
     a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
     # torch's mm (MKL on x86) and oneDNN's GEMM (which launch.cpu_gemm can use): the faster counts
     gemms = [lambda: a @ b]
-    if torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"):
+    if onednn_gemm.available():
         gemms.append(lambda: torch.ops.mkldnn._linear_pointwise(a, b, None, "none", [], ""))
     best = float("inf")
     for gemm in gemms:

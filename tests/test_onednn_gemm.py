@@ -9,7 +9,7 @@ import torch
 from hyperpar.models.layers import onednn_gemm
 from hyperpar.models.layers.cpu_matmul import Linear
 
-pytestmark = pytest.mark.skipif(not onednn_gemm._onednn_available(), reason="torch built without oneDNN")
+pytestmark = pytest.mark.skipif(not onednn_gemm.available(), reason="torch built without oneDNN")
 
 
 @pytest.fixture

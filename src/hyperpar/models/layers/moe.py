@@ -288,7 +288,7 @@ def experts_forward(
     """
     if impl == "auto":
         # fp32 where oneDNN's GEMM is the faster (launch.cpu_gemm): the loop, whose mm goes through it
-        onednn = x.dtype == torch.float32 and onednn_gemm.applies(x, w_gate[0], None)
+        onednn = onednn_gemm.applies(x, w_gate[0], None)
         impl = "grouped" if grouped_mm_supported(x, w_gate, w_down) and not onednn else "loop"
     if x.dtype != w_gate.dtype:  # e.g. fp32 activations reaching bf16 expert weights
         x = x.to(w_gate.dtype)

@@ -23,12 +23,12 @@ from torch.distributed.tensor import DTensor
 
 POLICIES = ("auto", "blas", "onednn")
 _policy = "auto"
-_active: bool | None = None
+_active: bool | None = None  # the policy resolved on this CPU (read per call, also inside compiled code)
 _WIDE = 8192  # output features from which the weight gradient takes the transposed form
 # Below ~8M multiply-adds per GEMM the custom op's and oneDNN's per-call costs outweigh the faster
 # kernel (measured: a 256 x 128 -> 128 linear's step 0.40 ms with MKL, 0.53 with oneDNN; 256 x 128
 # -> 384 1.04 against 0.84): such GEMMs stay on the BLAS.
-_MIN_MACS = 1 << 23  # the policy resolved on this CPU (read per call, also inside compiled code)
+_MIN_MACS = 1 << 23
 
 
 def set_policy(policy: str) -> str:
@@ -57,20 +57,21 @@ def _avx512() -> bool:
     return torch.backends.cpu.get_cpu_capability() in ("AVX512", "AVX512_BF16", "AMX")  # ATen's dispatch level
 
 
-def _onednn_available() -> bool:
+def available() -> bool:
+    """Whether this torch build has oneDNN's GEMM as an op on plain tensors."""
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
 @functools.cache
 def auto_choice() -> bool:
     """What ``auto`` picks on this CPU: oneDNN on an AMD CPU with AVX-512."""
-    return _cpu_vendor() == "AuthenticAMD" and _avx512() and _onednn_available()
+    return _cpu_vendor() == "AuthenticAMD" and _avx512() and available()
 
 
 def _resolve(policy: str) -> bool:
     if policy == "blas":
         return False
-    return _onednn_available() if policy == "onednn" else auto_choice()
+    return available() if policy == "onednn" else auto_choice()
 
 
 def uses_onednn() -> bool:
@@ -155,7 +156,5 @@ def applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear`` through oneDNN (call only where :func:`applies`)."""
-    if not torch.is_grad_enabled() or not (x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)):
-        return _gemm(x, weight, bias)
     return _OneDnnLinear.apply(x, weight, bias)
 
