@@ -239,6 +239,7 @@ def _probe_trainer_cls():
                 "peak_flops": self.peak_flops,
                 "host_allocator": host_allocator.applied(),
                 "flush_denormals": denormals.flushing(),
+                "fused_heads": sum(bool(getattr(m, "fused_loss", False)) for m in self.model.modules()),
             }
 
     return ProbeTrainer

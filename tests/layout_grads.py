@@ -56,6 +56,10 @@ def one_step(overrides: list[str]) -> dict:
     pd.build_mesh("cpu")
     builder = instantiate(cfg.model)
     model = builder.spec.parallelize(builder.build_meta(), pd, cfg)
+    if cfg.train.fused_head_loss:  # as the worker: a plain fp32 head runs inside the loss
+        from hyperpar.models.layers.lm_head import fuse_head_loss
+
+        fuse_head_loss(model)
     report: dict = {}
     materialize(model, torch.device("cpu"), seed=cfg.train.seed, source=builder.weight_source(), report=report)
     objective = Objective(mtp_weight=cfg.model.mtp_loss_weight, loss_parallel=use_loss_parallel(pd, cfg.train),

@@ -361,6 +361,8 @@ EFFECTS: dict[str, Effect] = {
     "train.activation_checkpoint": Effect("run", ["train.activation_checkpoint=full"], view=probe("checkpointed_blocks")),
     "train.log_every": Effect("run", ["train.log_every=2"], view=log_steps),
     "train.deterministic": Effect("run", ["train.deterministic=false"], view=probe("deterministic")),
+    # the numerics: tests/test_lm_head.py and tests/test_cross_entropy.py
+    "train.fused_head_loss": Effect("run", ["train.fused_head_loss=false"], view=probe("fused_heads")),
     "train.stop_after_steps": Effect("run", ["train.stop_after_steps=1"], view=field("step")),
     "train.pp_microbatches": Effect("plan", ["train.pp_microbatches=2"], ["parallel=pp2"]),
     # metrics

@@ -35,3 +35,61 @@ def test_all_rows_ignored_gives_zero():
     loss = ce.cross_entropy_sum(x, torch.full((4,), -100))
     loss.backward()
     assert loss.item() == 0.0 and x.grad.eq(0).all()
+
+
+def _fp64_reference(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor, grad: float):
+    h64, w64 = h.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    loss = F.cross_entropy(h64 @ w64.t(), y, ignore_index=-100, reduction="sum")
+    (loss * grad).backward()
+    return loss.item(), h64.grad, w64.grad
+
+
+@pytest.mark.parametrize("hint_matches", [True, False])
+def test_linear_cross_entropy_sum_against_fp64(monkeypatch, hint_matches):
+    """The fused head + loss: value and both gradients against fp64, over several chunks (a ragged
+    last one) with ignored rows; a real upstream gradient other than the hint is applied in backward."""
+    monkeypatch.setattr(ce, "_head_rows", lambda vocab, device: 7)  # 50 rows: 7 full chunks and one of 1
+    torch.manual_seed(0)
+    h = torch.randn(50, 24, requires_grad=True)
+    w = (torch.randn(300, 24) * 0.5).requires_grad_()
+    y = torch.randint(0, 300, (50,))
+    y[::6] = -100
+    grad = 1.0 / 43
+    got = ce.linear_cross_entropy_sum(h, w, y, torch.tensor(grad if hint_matches else 0.25))
+    (got * grad).backward()  # d(got · grad)/d(got) = grad: the hint, or not
+    ref, gh, gw = _fp64_reference(h, w, y, grad)
+    assert got.dtype == torch.float32 and h.grad.dtype == torch.float32
+    assert abs(got.item() - ref) <= 1e-6 * ref
+    assert (h.grad.double() - gh).abs().max().item() <= 1e-7
+    assert (w.grad.double() - gw).abs().max().item() <= 1e-7
+    assert h.grad[::6].eq(0).all()  # ignored rows get no gradient
+    assert gw.abs().max().item() > 1e-3  # the gradients compared are not vanishing
+
+
+def test_linear_cross_entropy_sum_equals_unfused_head_and_loss():
+    """Within fp32 rounding of what the unfused path (logits, then the chunked loss) computes; the
+    gradient of a frozen head weight is not formed."""
+    torch.manual_seed(1)
+    h = torch.randn(2, 33, 16, requires_grad=True)
+    w = torch.randn(500, 16)
+    y = torch.randint(0, 500, (2, 33))
+    fused = ce.linear_cross_entropy_sum(h.flatten(0, 1), w, y.flatten(), 0.5)
+    (fused * 0.5).backward()
+    g = h.grad.clone()
+    h.grad = None
+    unfused = ce.cross_entropy_sum((h @ w.t()).flatten(0, 1), y.flatten())
+    (unfused * 0.5).backward()
+    assert abs(fused.item() - unfused.item()) <= 2e-6 * unfused.item()
+    assert (g - h.grad).abs().max().item() <= 1e-6 and w.grad is None
+
+
+def test_linear_cross_entropy_sum_without_grad_forms_no_gradient(monkeypatch):
+    calls = []
+    monkeypatch.setattr(ce, "_mm", lambda a, b, out=None: calls.append(a.shape) or torch.mm(a, b, out=out))
+    h = torch.randn(10, 8, requires_grad=True)
+    w = torch.randn(40, 8, requires_grad=True)
+    with torch.no_grad():
+        loss = ce.linear_cross_entropy_sum(h, w, torch.randint(0, 40, (10,)))
+    assert len(calls) == 1 and loss.item() > 0  # the logits only: no gradient GEMMs
+    with pytest.raises(ValueError, match="non-zero"):
+        ce.linear_cross_entropy_sum(h, w, torch.randint(0, 40, (10,)), 0.0)

@@ -41,6 +41,9 @@ class TrainConfig:
     activation_checkpoint: str = "none"  # none | full | selective
     compile: bool = False  # torch.compile per decoder block (kernels eager); data-parallel layouts
     loss_parallel: Optional[bool] = None  # vocab-sharded cross-entropy under tp; None: on when tp > 1
+    # fp32 head (plain weight, no pp): its matmul runs inside the cross-entropy, in row chunks, so the
+    # (tokens x vocab) logits and their gradient are never whole; 16-bit, tp and pp heads keep logits
+    fused_head_loss: bool = True
     log_every: int = 1  # console / progress-bar line every N steps; metrics.jsonl still gets every step
     # torch.use_deterministic_algorithms (warn-only) + CUBLAS_WORKSPACE_CONFIG + no cuDNN autotuning:
     # the same run repeats bitwise on GPU/NPU too, a little slower (CPU kernels are deterministic anyway).

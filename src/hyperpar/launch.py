@@ -75,6 +75,7 @@ def worker_main(cfg: DictConfig, run_dir: str) -> dict[str, Any]:
     from hyperpar.config import build as instantiate
     from hyperpar.config import dtype_of
     from hyperpar.models.layers import cpu_matmul, onednn_gemm
+    from hyperpar.models.layers.lm_head import fuse_head_loss
 
     from hyperpar.data.loader import DistributedBatchLoader
     from hyperpar.data.pad import pad_token_id
@@ -127,6 +128,8 @@ def worker_main(cfg: DictConfig, run_dir: str) -> dict[str, Any]:
         pipeline = PipelineStep(builder, pdims, cfg, device) if pdims.pp > 1 else None
         parts = pipeline.parts if pipeline is not None else [builder.spec.parallelize(model, pdims, cfg)]
         model = parts[0]
+        if cfg.train.fused_head_loss and pipeline is None:  # a stage's head hands the schedule logits
+            fuse_head_loss(model)
         load_report: dict = {}
         if dev.type == "cpu":
             if n_units := shm_collectives.install(parts, shared=cfg.launch.cpu_collectives == "shm"):

@@ -45,7 +45,10 @@ def apply_fsdp(
     # all-gather the largest unit again right away (FSDP's own default for a root).
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
     # Loss is a sum over the global batch divided by the global token count (see train/objective.py), so
-    # gradients must be summed over data-parallel ranks, not averaged.
+    # gradients must be summed over data-parallel ranks, not averaged. On one rank FSDP's default is
+    # that sum already, and a set factor (even 1.0) would cost a division pass over every gradient.
+    if mesh.size() == 1 and (expert_mesh is None or expert_mesh.size() == 1):
+        return model
     for module in model.modules():
         if isinstance(module, FSDPModule):  # the setting is per FSDP unit
             module.set_gradient_divide_factor(1.0)

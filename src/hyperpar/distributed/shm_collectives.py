@@ -49,6 +49,8 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
+from hyperpar.unfilled import empty_unfilled
+
 log = logging.getLogger("hyperpar")
 
 SHM_DIR = "/dev/shm"
@@ -229,20 +231,6 @@ def release() -> None:
                  counts["in_place"], counts["gloo"])
     _installed.clear()
     _arenas.clear()
-
-
-def empty_unfilled(size: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """``torch.empty`` without the NaN fill of ``train.deterministic`` (``use_deterministic_algorithms``
-    fills every new tensor: ~90 ms per 128 MB on one CPU thread). Only for FSDP's collective buffers,
-    which the copy-in and the collective overwrite whole before anything reads them."""
-    from torch.utils import deterministic
-
-    fill = deterministic.fill_uninitialized_memory
-    deterministic.fill_uninitialized_memory = False
-    try:
-        return torch.empty(*size, dtype=dtype, device=device)
-    finally:
-        deterministic.fill_uninitialized_memory = fill
 
 
 def _numel(size: Sequence[int]) -> int:

@@ -34,16 +34,23 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from hyperpar.models.layers.moe import load_balancing_loss
-from hyperpar.train.cross_entropy import IGNORE_INDEX, cross_entropy_sum
+from hyperpar.models.layers.lm_head import HeadInput
+from hyperpar.train.cross_entropy import IGNORE_INDEX, cross_entropy_sum, linear_cross_entropy_sum
 from hyperpar.models.output import ModelOutput
 
 if TYPE_CHECKING:
     from hyperpar.distributed.context_parallel import SequenceShard
 
-def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+def token_loss_sum(logits: torch.Tensor | HeadInput, labels: torch.Tensor,
+                   grad_hint: torch.Tensor | None = None) -> torch.Tensor:
     """Σ per-token cross-entropy in fp32 over pre-shifted ``labels`` (-100 ignored). ``logits`` may
     be a vocab-sharded DTensor (inside ``loss_parallel``: PyTorch's parallel cross-entropy); plain
-    logits take the chunked kernel of :mod:`hyperpar.train.cross_entropy`. A plain scalar."""
+    logits take the chunked kernel of :mod:`hyperpar.train.cross_entropy`, a fused head's
+    ``HeadInput`` its matmul-and-loss kernel (``grad_hint``: the gradient this sum will get, which
+    that kernel applies in its forward). A plain scalar."""
+    if isinstance(logits, HeadInput):
+        return linear_cross_entropy_sum(logits.hidden.flatten(0, -2), logits.weight, labels.flatten(),
+                                        grad_hint if grad_hint is not None else 1.0)
     if not isinstance(logits, DTensor):
         return cross_entropy_sum(logits.flatten(0, -2), labels.flatten())
     loss = F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
@@ -99,7 +106,9 @@ class Objective:
     def __call__(self, out: ModelOutput | torch.Tensor, labels: torch.Tensor,
                  totals: StepTotals) -> tuple[torch.Tensor, MicroBatchLoss]:
         logits = out.logits if isinstance(out, ModelOutput) else out
-        lm_sum = token_loss_sum(logits, self.lm_labels(labels))
+        # the gradient each sum gets in backward, as autograd forms it below (1 / tokens, then × weight)
+        per_token = torch.ones((), dtype=torch.float32, device=totals.tokens.device) / totals.tokens
+        lm_sum = token_loss_sum(logits, self.lm_labels(labels), per_token)
         objective = lm_sum / totals.tokens
         parts = MicroBatchLoss(lm_sum.detach())
         if isinstance(out, ModelOutput) and out.router_stats is not None:
@@ -110,7 +119,8 @@ class Objective:
             objective = objective + aux.float() / totals.micro_batches
             parts.aux = aux.detach().float()
         if isinstance(out, ModelOutput) and out.mtp_logits is not None and totals.mtp_tokens is not None:
-            mtp_sum = token_loss_sum(out.mtp_logits, self.mtp_labels(labels))
+            mtp_hint = torch.ones((), dtype=torch.float32, device=totals.mtp_tokens.device) / totals.mtp_tokens * self.mtp_weight
+            mtp_sum = token_loss_sum(out.mtp_logits, self.mtp_labels(labels), mtp_hint)
             objective = objective + self.mtp_weight * mtp_sum / totals.mtp_tokens
             parts.mtp_sum = mtp_sum.detach()
         return objective, parts

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hyperpar.models.layers.cpu_matmul import Linear
+from hyperpar.models.layers.lm_head import LMHead
 from hyperpar.models.layers import (
     Attention,
     Documents,
@@ -131,7 +131,8 @@ class Qwen3_5TextModel(nn.Module):
 
 class Qwen3_5ForCausalLM(nn.Module):
     """``forward(input_ids, position_ids=None, attention_mask=None) -> logits`` (B, S, V) in the
-    activation dtype.
+    activation dtype (a ``HeadInput`` instead when the trainer fuses the head with the loss:
+    ``models/layers/lm_head.py``).
 
     position_ids: None (0..S−1), (B, S), (3, B, S) rows T/H/W, or (4, B, S) with a text row first.
     Packed documents: within a row, a (text-row) position restarting at 0 starts a new document;
@@ -145,7 +146,7 @@ class Qwen3_5ForCausalLM(nn.Module):
         super().__init__()
         self.args = args
         self.model = self.text_model_cls(args)
-        self.lm_head: nn.Linear | None = Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.lm_head: nn.Linear | None = LMHead(args.hidden_size, args.vocab_size, bias=False)
         self.tie_weights()
 
     def tie_weights(self) -> None:

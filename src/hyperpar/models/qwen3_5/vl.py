@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hyperpar.models.layers.cpu_matmul import Linear
+from hyperpar.models.layers.lm_head import LMHead
 from hyperpar.models.multimodal import VisionLanguageHooks, embed_with_vision
 from hyperpar.models.qwen3_5.args import Qwen3_5VLArgs
 from hyperpar.models.qwen3_5.model import Qwen3_5ForCausalLM, Qwen3_5TextModel
@@ -47,7 +47,7 @@ class Qwen3_5ForConditionalGeneration(VisionLanguageHooks, nn.Module):
         super().__init__()
         self.args = args
         self.model = self.vl_model_cls(args)
-        self.lm_head: nn.Linear | None = Linear(args.text.hidden_size, args.text.vocab_size, bias=False)
+        self.lm_head: nn.Linear | None = LMHead(args.text.hidden_size, args.text.vocab_size, bias=False)
         self.tie_weights()
 
     def embed(

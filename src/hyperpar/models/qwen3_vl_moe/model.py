@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hyperpar.models.layers.cpu_matmul import Linear
+from hyperpar.models.layers.lm_head import LMHead
 from hyperpar.models.layers import (
     Attention,
     Documents,
@@ -193,7 +193,7 @@ class Qwen3VLMoeForConditionalGeneration(VisionLanguageHooks, nn.Module):
         super().__init__()
         self.args = args
         self.model = Qwen3VLMoeModel(args)
-        self.lm_head: nn.Linear | None = Linear(args.text.hidden_size, args.text.vocab_size, bias=False)
+        self.lm_head: nn.Linear | None = LMHead(args.text.hidden_size, args.text.vocab_size, bias=False)
         self.tie_weights()
 
     # --- embeddings (tying and init: VisionLanguageHooks) -------------------------------------

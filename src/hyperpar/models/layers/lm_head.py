@@ -1,0 +1,53 @@
+"""The vocabulary projection, which can hand its matmul to the training objective.
+
+With ``train.fused_head_loss`` (default on) the worker sets ``fused_loss`` on every ``LMHead`` of a
+model it trains without pipeline parallelism. Then, for an fp32 input and weight that are plain
+tensors (no tensor-parallel DTensor, no 16-bit mixed precision), ``forward`` returns a
+:class:`HeadInput` (the hidden states and this weight) instead of logits, and the objective runs
+the matmul inside the cross-entropy, chunk by chunk (``train.cross_entropy.linear_cross_entropy_sum``):
+the (tokens x vocab) logits and their gradient are never whole. Anything else gets logits as before.
+Called outside training (HF parity, export, evaluation) the flag is off and ``forward`` is ``Linear``'s.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from hyperpar.models.layers.cpu_matmul import Linear
+
+
+@dataclass
+class HeadInput:
+    """What a fused head hands the objective in place of logits: ``logits = hidden @ weight.T``."""
+
+    hidden: torch.Tensor  # (..., H)
+    weight: torch.Tensor  # (V, H): the parameter itself (FSDP's unsharded one), so its gradient lands
+
+    @staticmethod
+    def fusable(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+        return (bias is None and not isinstance(x, DTensor) and not isinstance(weight, DTensor)
+                and x.dtype == torch.float32 and weight.dtype == torch.float32)
+
+
+class LMHead(Linear):
+    """``Linear`` (same parameter, same keys, same TP plan) that defers its matmul to the objective
+    when ``fused_loss`` is set and the input qualifies (see the module docstring)."""
+
+    fused_loss = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor | HeadInput:  # type: ignore[override]
+        if self.fused_loss and torch.is_grad_enabled() and HeadInput.fusable(x, self.weight, self.bias):
+            return HeadInput(x, self.weight)
+        return super().forward(x)
+
+
+def fuse_head_loss(model: nn.Module, enabled: bool = True) -> int:
+    """Set ``fused_loss`` on every ``LMHead`` of ``model``; returns how many there are."""
+    heads = [m for m in model.modules() if isinstance(m, LMHead)]
+    for head in heads:
+        head.fused_loss = enabled
+    return len(heads)
