@@ -3,6 +3,7 @@ subprocess, read what a run wrote. The tiny configs themselves live in fixtures.
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import os
@@ -83,6 +84,20 @@ def cli_metrics(run_dir: Path, overrides: list[str], *, steps: int = STEPS) -> d
     res = cli_small(run_dir, overrides, steps=steps)
     assert res.returncode == 0, res.stderr[-3000:]
     return metrics_by_step(run_dir)
+
+
+_REFERENCE_RUNS: dict[tuple, dict[int, dict]] = {}
+
+
+def cli_metrics_shared(run_dir: Path, overrides: list[str], *, steps: int = STEPS) -> dict[int, dict]:
+    """``cli_metrics`` for a run several tests compare against (the one-process reference): a run is
+    deterministic, so the same overrides and steps give the same records, and the suite trains each
+    reference once per session instead of once per test. Overrides naming a test's own paths never
+    match another test's, so those runs are not shared."""
+    key = (tuple(overrides), steps)
+    if key not in _REFERENCE_RUNS:
+        _REFERENCE_RUNS[key] = cli_metrics(run_dir, overrides, steps=steps)
+    return copy.deepcopy(_REFERENCE_RUNS[key])
 
 
 def records(run_dir: Path) -> dict[int, dict]:

@@ -61,7 +61,8 @@ def test_explicit_load_path_into_a_new_run(single_base, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["ddp2", "fsdp2", pytest.param("hsdp2x2", marks=pytest.mark.full)])
+@pytest.mark.parametrize("layout", [pytest.param("ddp2", marks=pytest.mark.full), "fsdp2",
+                                    pytest.param("hsdp2x2", marks=pytest.mark.full)])
 def test_multiprocess_stop_and_resume_is_bitwise(tmp_path, layout):
     base, run = tmp_path / "base", tmp_path / "run"
     res = cli_small(base, [f"parallel={layout}"])

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import cli_small, compose_cfg, one_error_line
+from helpers import cli_metrics_shared, cli_small, compose_cfg, one_error_line
 
 TOL = 1e-5
 STEPS = 6
@@ -25,6 +25,8 @@ def metrics(run_dir: Path) -> dict[int, dict]:
 
 
 def run(run_dir: Path, overrides: list[str]) -> dict[int, dict]:
+    if "parallel=single" in overrides:
+        return cli_metrics_shared(run_dir, overrides, steps=STEPS)
     res = cli_small(run_dir, overrides, steps=STEPS)
     assert res.returncode == 0, res.stderr[-3000:]
     return metrics(run_dir)
@@ -190,7 +192,7 @@ def test_moe_pp2_matches_single_with_aux(tmp_path):
     check_parity(single, got, "qwen3_5_moe pp2_1f1b", keys=("loss", "aux_loss", "grad_norm"))
 
 
-@pytest.mark.slow
+@pytest.mark.full  # MTP under pp: cp2_pp2 and the Qwen3.5 VL MoE pipeline run it in the default run
 def test_moe_mtp_pp2_tracks_single(tmp_path):
     """The MTP head trains on the last stage with its copy of the embedding, the gradients summed with
     the first stage's. (One process adds the two contributions per micro-batch, the pipeline per
@@ -280,7 +282,7 @@ def test_qwen3_5_vl_pp2_matches_single(tmp_path, model):
     check_parity(single, got, f"{model[0]} fsdp2_pp2", keys=keys)
 
 
-@pytest.mark.slow
+@pytest.mark.full  # fsdp x pp: the Qwen3.5 VL pipeline and the 8-process checkpoint test in the default run
 def test_fsdp2_pp2_matches_single(tmp_path):
     """4 processes: each stage FSDP-sharded over 2 ranks, gradients reduced once per step."""
     single = run(tmp_path / "single", ["parallel=single"])
