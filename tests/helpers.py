@@ -90,10 +90,12 @@ _REFERENCE_RUNS: dict[tuple, dict[int, dict]] = {}
 
 
 def cli_metrics_shared(run_dir: Path, overrides: list[str], *, steps: int = STEPS) -> dict[int, dict]:
-    """``cli_metrics`` for a run several tests compare against (the one-process reference): a run is
-    deterministic, so the same overrides and steps give the same records, and the suite trains each
-    reference once per session instead of once per test. Overrides naming a test's own paths never
-    match another test's, so those runs are not shared."""
+    """``cli_metrics``, with the one-process references (``parallel=single``) that several tests compare
+    against trained once per session: a run is deterministic, so the same overrides and steps give the
+    same records. Overrides naming a test's own paths never match another test's, so those runs are
+    not shared; other layouts always run."""
+    if "parallel=single" not in overrides:
+        return cli_metrics(run_dir, overrides, steps=steps)
     key = (tuple(overrides), steps)
     if key not in _REFERENCE_RUNS:
         _REFERENCE_RUNS[key] = cli_metrics(run_dir, overrides, steps=steps)

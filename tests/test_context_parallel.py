@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import cli_metrics, cli_metrics_shared, close_group, free_port
+from helpers import cli_metrics_shared, close_group, free_port
 from layout_grads import assert_layout_matches_single
 
 CP = 2
@@ -233,9 +233,7 @@ CLI = {
 
 
 def run(run_dir: Path, overrides: list[str]) -> dict[int, dict]:
-    if "parallel=single" in overrides:
-        return cli_metrics_shared(run_dir, overrides, steps=STEPS)
-    return cli_metrics(run_dir, overrides, steps=STEPS)
+    return cli_metrics_shared(run_dir, overrides, steps=STEPS)
 
 
 def check_parity(single: dict[int, dict], got: dict[int, dict], what: str) -> None:

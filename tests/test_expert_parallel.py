@@ -24,25 +24,13 @@ MODELS = {
 }
 
 
-def metrics(run_dir: Path) -> dict[int, dict]:
-    out = {}
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        rec = json.loads(line)
-        out[rec["step"]] = rec
-    return out
-
-
 def worst(a: dict[int, dict], b: dict[int, dict], key: str) -> float:
     assert sorted(a) == sorted(b)
     return max(abs(a[s][key] - b[s][key]) for s in a)
 
 
 def run(run_dir: Path, overrides: list[str]) -> dict[int, dict]:
-    if "parallel=single" in overrides:
-        return cli_metrics_shared(run_dir, overrides, steps=STEPS)
-    res = cli_small(run_dir, overrides, steps=STEPS)
-    assert res.returncode == 0, res.stderr[-3000:]
-    return metrics(run_dir)
+    return cli_metrics_shared(run_dir, overrides, steps=STEPS)
 
 
 # ---- one process: the dispatch permutation ----------------------------------------------------------

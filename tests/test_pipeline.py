@@ -4,7 +4,6 @@ loss, aux loss and grad norm within 1e-5) for GPipe, 1F1B, interleaved 1F1B and 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -16,20 +15,8 @@ TOL = 1e-5
 STEPS = 6
 
 
-def metrics(run_dir: Path) -> dict[int, dict]:
-    out = {}
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        rec = json.loads(line)
-        out[rec["step"]] = rec
-    return out
-
-
 def run(run_dir: Path, overrides: list[str]) -> dict[int, dict]:
-    if "parallel=single" in overrides:
-        return cli_metrics_shared(run_dir, overrides, steps=STEPS)
-    res = cli_small(run_dir, overrides, steps=STEPS)
-    assert res.returncode == 0, res.stderr[-3000:]
-    return metrics(run_dir)
+    return cli_metrics_shared(run_dir, overrides, steps=STEPS)
 
 
 def worst(a: dict[int, dict], b: dict[int, dict], key: str) -> float:
