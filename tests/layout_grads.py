@@ -85,7 +85,8 @@ def one_step(overrides: list[str]) -> dict:
     totals = objective.totals([mb["labels"] for mb in micro_batches], len(micro_batches) * dp.size(), over_dp)
     loss_sum = torch.zeros(())
     for i, mb in enumerate(micro_batches):
-        model.set_requires_gradient_sync(i == len(micro_batches) - 1)
+        if hasattr(model, "set_requires_gradient_sync"):  # FSDP (one fp32 rank stays plain)
+            model.set_requires_gradient_sync(i == len(micro_batches) - 1)
         with objective.context():
             out = model(**{k: v for k, v in mb.items() if k != "labels"})
             obj, parts = objective(out, mb["labels"], totals)

@@ -175,7 +175,7 @@ class Observer:
         seen = {}
 
         def fake_launch(lc, entry):
-            seen.update(max_restarts=lc.max_restarts, monitor_interval=lc.monitor_interval)
+            seen.update(max_restarts=lc.max_restarts, monitor_interval=lc.monitor_interval, start_method=lc.start_method)
             return lambda *args: {0: {"losses": []}}
 
         original = api.elastic_launch
@@ -372,6 +372,7 @@ EFFECTS: dict[str, Effect] = {
     # launch
     "launch.max_restarts": Effect("launcher", ["launch.max_restarts=3"]),
     "launch.monitor_interval": Effect("launcher", ["launch.monitor_interval=1.5"]),
+    "launch.start_method": Effect("launcher", ["launch.start_method=spawn"]),
     "launch.threads_per_rank": Effect("run", ["launch.threads_per_rank=2"], view=probe("threads")),
     "launch.host_allocator": Effect("run", ["launch.host_allocator=system"], view=probe("host_allocator")),
     "launch.flush_denormals": Effect("run", ["launch.flush_denormals=false"], view=probe("flush_denormals")),

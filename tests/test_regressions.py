@@ -1,8 +1,10 @@
 """Pins the bug classes that broke earlier systems: parameter leaves after meta-init, the one-rank path
-wrapped like the N-rank path, activation checkpointing with a module shared by all layers."""
+wrapped like the N-rank path (and, in fp32, left plain only where that is bitwise the same),
+activation checkpointing with a module shared by all layers."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -51,6 +53,42 @@ def test_one_rank_params_are_leaf_dtensors_like_n_ranks(tmp_path):
         logits.float().logsumexp(-1).mean().backward()
         opt.step()
         assert all(p.grad is not None for p in model.parameters())
+    except BaseException:
+        close_group(ok=False)
+        raise
+    close_group(ok=True)
+
+
+def test_one_rank_fp32_stays_plain_and_equals_fsdp_bitwise(tmp_path, monkeypatch):
+    """One fp32 rank skips FSDP (its wrapping there is copies only). Three steps of four accumulated
+    micro-batches each, through the worker: the losses and grad norms equal those of the FSDP-wrapped
+    one-rank model bit for bit, and a 16-bit policy still gets FSDP (its casts)."""
+    import torch.distributed as dist
+
+    from hyperpar.config import build
+    from hyperpar.distributed import data_parallel, fsdp
+
+    def metrics(name: str) -> list[tuple[float, float]]:
+        _run(tmp_path, name, ["train.steps=3"])
+        recs = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        return [(r["loss"], r["grad_norm"]) for r in recs]
+
+    plain = metrics("plain")
+    for mod in (fsdp, data_parallel):
+        monkeypatch.setattr(mod, "one_rank_is_plain", lambda *a, **k: False)
+    wrapped = metrics("fsdp")
+    monkeypatch.undo()
+    assert len(plain) == 3 and plain == wrapped, (plain, wrapped)
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        for dtype, wrapped in (("float32", False), ("bfloat16", True)):
+            cfg = compose_cfg([f"train.mixed_precision.param_dtype={dtype}"])
+            pdims = build(cfg.parallel)
+            pdims.build_mesh("cpu")
+            builder = build(cfg.model)
+            model = builder.spec.parallelize(builder.build_meta(), pdims, cfg)
+            assert any(isinstance(m, FSDPModule) for m in model.modules()) == wrapped, dtype
     except BaseException:
         close_group(ok=False)
         raise

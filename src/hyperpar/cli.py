@@ -67,7 +67,7 @@ def main(cfg: DictConfig) -> float | None:
 
 def _task(cfg: DictConfig) -> float | None:
     from hyperpar import run_status
-    from hyperpar.launch import job_started, run_job, under_torchrun, write_result
+    from hyperpar.launch import job_started, run_job, start_workers_early, under_torchrun, write_result
     from hyperpar.parity.callback import check_attached
     from hyperpar.plan import make_plan
 
@@ -86,6 +86,7 @@ def _task(cfg: DictConfig) -> float | None:
     try:
         cfg = check_values(validate_schema(cfg), warn=False)  # the driver's preflight warned already
         with_dir = OmegaConf.merge(cfg, {"run_dir": run_dir})
+        start_workers_early(cfg)
         plan = make_plan(with_dir, strict=not cfg.dry_run)
         if cfg.dry_run:
             if rank0:

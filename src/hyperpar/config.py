@@ -15,6 +15,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from hyperpar.errors import ConfigError
 from hyperpar.host_allocator import MODES as HOST_ALLOCATOR_MODES
 
+START_METHODS = ("forkserver", "spawn")  # launch.start_method (worker_fork.py)
 CPU_COLLECTIVES = ("shm", "gloo")  # launch.cpu_collectives (distributed/shm_collectives.py)
 CPU_MATMUL = ("auto", "native", "fp32")  # train.mixed_precision.cpu_matmul (models/layers/cpu_matmul.py)
 CPU_GEMM = ("auto", "blas", "onednn")  # launch.cpu_gemm (models/layers/onednn_gemm.py)
@@ -163,6 +164,8 @@ class LaunchConfig:
     cpu_collectives: str = "shm"
     # CPU, fp32 linears: torch's BLAS (MKL) or oneDNN's GEMM; auto = oneDNN on AMD CPUs with AVX-512
     cpu_gemm: str = "auto"
+    # how the launcher starts local workers: forked from a server that imported torch once, or spawned
+    start_method: str = "forkserver"
 
 
 @dataclass
@@ -260,6 +263,7 @@ _VALUE_RULES: list[tuple[str, Any, str]] = [
     ("launch.threads_per_rank", lambda v: v >= 0, ">= 0 (0: cores / local ranks)"),
     ("launch.host_allocator", lambda v: v in HOST_ALLOCATOR_MODES, f"one of {', '.join(HOST_ALLOCATOR_MODES)}"),
     ("launch.cpu_collectives", lambda v: v in CPU_COLLECTIVES, f"one of {', '.join(CPU_COLLECTIVES)}"),
+    ("launch.start_method", lambda v: v in START_METHODS, f"one of {', '.join(START_METHODS)}"),
     ("launch.cpu_gemm", lambda v: v in CPU_GEMM, f"one of {', '.join(CPU_GEMM)}"),
     ("metrics.peak_tflops", lambda v: v is None or (_finite(v) and v > 0), "> 0 or null"),
     ("parity.tolerance_mean", lambda v: _finite(v) and v > 0, "a finite number > 0"),

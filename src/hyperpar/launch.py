@@ -17,6 +17,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from hyperpar import worker_fork
 from hyperpar.errors import HyperparError, TrainingError
 
 log = logging.getLogger("hyperpar")
@@ -194,8 +195,14 @@ def worker_main(cfg: DictConfig, run_dir: str) -> dict[str, Any]:
             dist.destroy_process_group()
 
 
-def run_worker(cfg_path: str, run_dir: str) -> dict[str, Any]:
-    """Entry of a worker process started by :func:`launch_workers` (module-level: pickled by reference)."""
+def run_worker(cfg_path: str, run_dir: str, envs: tuple[dict, dict] | None = None) -> dict[str, Any]:
+    """Entry of a worker process started by :func:`launch_workers` (module-level: pickled by reference).
+
+    ``envs``: (the driver's environment at launch, the fork server's) when forked from the server."""
+    if envs is not None:
+        from hyperpar.worker_fork import adopt_driver_env
+
+        adopt_driver_env(*envs)
     os.environ["HYPERPAR_WORKER"] = "1"
     cfg = OmegaConf.load(cfg_path)
     try:
@@ -203,6 +210,15 @@ def run_worker(cfg_path: str, run_dir: str) -> dict[str, Any]:
     except HyperparError as e:
         print(e.one_line(), file=sys.stderr)
         sys.exit(2)
+    except Exception as e:
+        if _peer_lost(e):
+            # A rank that died (killed, out of memory) breaks its peers' next collective at once. The
+            # launcher reports the first failed rank it finds: this one waits a moment before it
+            # exits, so that is the rank that died, not a survivor's connection error.
+            import time
+
+            time.sleep(max(1.0, 3 * float(cfg.launch.monitor_interval)))
+        raise
     if result.get("stop_reason") == "preempted":
         # An agent that forwarded SIGTERM is shutting down and no longer tells workers that it has read
         # their result: it would SIGKILL them after its shutdown timeout. The result is queued (the
@@ -215,6 +231,14 @@ def run_worker(cfg_path: str, run_dir: str) -> dict[str, Any]:
     return result
 
 
+_PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")
+
+
+def _peer_lost(e: BaseException) -> bool:
+    """The error is a collective's connection to another rank breaking (gloo's words for it)."""
+    return isinstance(e, RuntimeError) and any(m in str(e) for m in _PEER_LOST)
+
+
 def _user_error(line: str) -> HyperparError:
     """The worker's one-line user error, re-raised in the driver with its kind (config, checkpoint, ...)."""
     kind, _, message = line.strip().partition(" error: ")
@@ -225,6 +249,25 @@ def _user_error(line: str) -> HyperparError:
     return classes[kind](message, hint=hint[:-1] if hint.endswith(")") else None)
 
 
+def set_worker_threads(cfg: DictConfig) -> None:
+    """Each rank gets its share of the cores; OMP_NUM_THREADS otherwise defaults to all of them per rank."""
+    n = int(cfg.parallel.world_size)
+    os.environ.setdefault("OMP_NUM_THREADS", str(_threads_for(n, int(cfg.launch.threads_per_rank))))
+
+
+def start_method(cfg: DictConfig) -> str:
+    """``launch.start_method``, or spawn where this platform has no fork server."""
+    return "forkserver" if cfg.launch.start_method == "forkserver" and worker_fork.available() else "spawn"
+
+
+def start_workers_early(cfg: DictConfig) -> None:
+    """The driver will launch workers: start the fork server now, so its imports run while the
+    driver plans (the server then has the driver's environment, OMP_NUM_THREADS included)."""
+    if int(cfg.parallel.world_size) > 1 and not under_torchrun() and not cfg.dry_run and start_method(cfg) == "forkserver":
+        set_worker_threads(cfg)
+        worker_fork.start()
+
+
 def launch_workers(cfg: DictConfig, run_dir: str) -> dict[str, Any]:
     """Start world_size local workers with PyTorch's elastic launcher (torchrun semantics)."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException, Std
@@ -233,17 +276,18 @@ def launch_workers(cfg: DictConfig, run_dir: str) -> dict[str, Any]:
 
     cfg_path = str(Path(run_dir) / "config.yaml")
     n = int(cfg.parallel.world_size)
+    set_worker_threads(cfg)
+    method = start_method(cfg)
+    envs = (dict(os.environ), worker_fork.start()) if method == "forkserver" else None
     lc = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=n, run_id=str(uuid.uuid4()),
         rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=int(cfg.launch.max_restarts),
-        monitor_interval=float(cfg.launch.monitor_interval), start_method="spawn",
+        monitor_interval=float(cfg.launch.monitor_interval), start_method=method,
         logs_specs=DefaultLogsSpecs(log_dir=str(Path(run_dir) / "workers"), redirects=Std.NONE, tee=Std.NONE),
     )
-    # Each rank gets its share of the cores; OMP_NUM_THREADS otherwise defaults to all of them per rank.
-    os.environ.setdefault("OMP_NUM_THREADS", str(_threads_for(n, int(cfg.launch.threads_per_rank))))
     saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)}
     try:
-        results = elastic_launch(lc, run_worker)(cfg_path, run_dir)
+        results = elastic_launch(lc, run_worker)(cfg_path, run_dir, envs)
     except SignalException as e:
         if e.sigval not in (signal.SIGTERM, signal.SIGINT):
             raise
