@@ -66,7 +66,7 @@ def test_one_rank_fp32_stays_plain_and_equals_fsdp_bitwise(tmp_path, monkeypatch
     import torch.distributed as dist
 
     from hyperpar.config import build
-    from hyperpar.distributed import data_parallel, fsdp
+    from hyperpar.distributed import fsdp
 
     def metrics(name: str) -> list[tuple[float, float]]:
         _run(tmp_path, name, ["train.steps=3"])
@@ -74,8 +74,7 @@ def test_one_rank_fp32_stays_plain_and_equals_fsdp_bitwise(tmp_path, monkeypatch
         return [(r["loss"], r["grad_norm"]) for r in recs]
 
     plain = metrics("plain")
-    for mod in (fsdp, data_parallel):
-        monkeypatch.setattr(mod, "one_rank_is_plain", lambda *a, **k: False)
+    monkeypatch.setattr(fsdp, "one_rank_is_plain", lambda *a, **k: False)
     wrapped = metrics("fsdp")
     monkeypatch.undo()
     assert len(plain) == 3 and plain == wrapped, (plain, wrapped)

@@ -12,7 +12,7 @@ from hyperpar.config import dtype_of
 from hyperpar.distributed.activation_checkpoint import apply_activation_checkpoint
 from hyperpar.distributed.compile import check_compile, compile_blocks
 from hyperpar.distributed.expert_parallel import expert_parallel_modules
-from hyperpar.distributed.fsdp import apply_fsdp, one_rank_is_plain
+from hyperpar.distributed.fsdp import apply_fsdp
 
 log = logging.getLogger("hyperpar")
 
@@ -43,9 +43,6 @@ def apply_ac_and_dp(
     fsdp_mesh = parallel_dims.fsdp_mesh()
     expert_mesh = parallel_dims.expert_fsdp_mesh() if experts else None
     param_dtype, reduce_dtype = dtype_of(mp.param_dtype), dtype_of(mp.reduce_dtype)
-    if one_rank_is_plain(model, fsdp_mesh, expert_mesh, param_dtype, reduce_dtype):
-        log.info("one data-parallel rank, %s throughout: no FSDP wrapping (it would only copy the "
-                 "parameters and gradients)", str(param_dtype).removeprefix("torch."))
     apply_fsdp(
         model,
         [block for group in groups for block in group.values()],
