@@ -4,7 +4,6 @@ activation checkpointing with a module shared by all layers."""
 
 from __future__ import annotations
 
-import json
 import math
 
 import pytest
@@ -12,7 +11,7 @@ import torch
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from helpers import close_group, compose_cfg, read_losses
+from helpers import close_group, compose_cfg, read_losses, records
 from hyperpar.errors import TrainingError
 from hyperpar.launch import worker_main
 
@@ -68,10 +67,9 @@ def test_one_rank_fp32_stays_plain_and_equals_fsdp_bitwise(tmp_path, monkeypatch
     from hyperpar.config import build
     from hyperpar.distributed import fsdp
 
-    def metrics(name: str) -> list[tuple[float, float]]:
+    def metrics(name: str) -> dict[int, dict]:
         _run(tmp_path, name, ["train.steps=3"])
-        recs = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
-        return [(r["loss"], r["grad_norm"]) for r in recs]
+        return records(tmp_path / name)  # loss, grad_norm, lr, tokens per step
 
     plain = metrics("plain")
     monkeypatch.setattr(fsdp, "one_rank_is_plain", lambda *a, **k: False)

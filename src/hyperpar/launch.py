@@ -200,9 +200,7 @@ def run_worker(cfg_path: str, run_dir: str, envs: tuple[dict, dict] | None = Non
 
     ``envs``: (the driver's environment at launch, the fork server's) when forked from the server."""
     if envs is not None:
-        from hyperpar.worker_fork import adopt_driver_env
-
-        adopt_driver_env(*envs)
+        worker_fork.adopt_driver_env(*envs)
     os.environ["HYPERPAR_WORKER"] = "1"
     cfg = OmegaConf.load(cfg_path)
     try:

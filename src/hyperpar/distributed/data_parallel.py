@@ -40,17 +40,14 @@ def apply_ac_and_dp(
                  "the chunked delta rule a graph of its own)", n)
     mp = train_cfg.mixed_precision
     experts = list(expert_parallel_modules(model)) if parallel_dims.ep > 1 else []
-    fsdp_mesh = parallel_dims.fsdp_mesh()
-    expert_mesh = parallel_dims.expert_fsdp_mesh() if experts else None
-    param_dtype, reduce_dtype = dtype_of(mp.param_dtype), dtype_of(mp.reduce_dtype)
     apply_fsdp(
         model,
         [block for group in groups for block in group.values()],
-        fsdp_mesh,
-        param_dtype=param_dtype,
-        reduce_dtype=reduce_dtype,
+        parallel_dims.fsdp_mesh(),
+        param_dtype=dtype_of(mp.param_dtype),
+        reduce_dtype=dtype_of(mp.reduce_dtype),
         expert_units=experts,
-        expert_mesh=expert_mesh,
+        expert_mesh=parallel_dims.expert_fsdp_mesh() if experts else None,
         reshard_after_forward=not parallel_dims.fsdp_units_kept,
     )
     return model

@@ -31,15 +31,13 @@ def apply_fsdp(
     reshard_after_forward: bool = True,
     expert_units: Iterable[nn.Module] = (),
     expert_mesh=None,
-    plain_one_rank: bool = True,
 ) -> nn.Module:
     """Shard each block as its own unit, then the root (embeddings, final norm, head, tied weights).
 
     ``expert_units`` (expert-parallel experts, inside the blocks) are units of their own on
     ``expert_mesh`` (the data-parallel ranks left after ep), sharded before the blocks holding them.
-    ``plain_one_rank``: leave the model plain where ``one_rank_is_plain`` says FSDP would be copies
-    only (tests turn it off to prove the two are bitwise equal)."""
-    if plain_one_rank and one_rank_is_plain(model, mesh, expert_mesh, param_dtype, reduce_dtype):
+    The model stays plain where ``one_rank_is_plain`` says FSDP would be copies only."""
+    if one_rank_is_plain(model, mesh, expert_mesh, param_dtype, reduce_dtype):
         return model
     mp = mixed_precision_policy(param_dtype, reduce_dtype)
     for unit in expert_units:
@@ -55,7 +53,7 @@ def apply_fsdp(
     # Loss is a sum over the global batch divided by the global token count (see train/objective.py), so
     # gradients must be summed over data-parallel ranks, not averaged. On one rank FSDP's default is
     # that sum already, and a set factor (even 1.0) would cost a division pass over every gradient.
-    if mesh.size() == 1 and (expert_mesh is None or expert_mesh.size() == 1):
+    if _one_rank(mesh, expert_mesh):
         return model
     for module in model.modules():
         if isinstance(module, FSDPModule):  # the setting is per FSDP unit
@@ -65,6 +63,11 @@ def apply_fsdp(
     return model
 
 
+def _one_rank(mesh, expert_mesh) -> bool:
+    """One data-parallel rank, expert parameters' mesh included."""
+    return mesh.size() == 1 and (expert_mesh is None or expert_mesh.size() == 1)
+
+
 def one_rank_is_plain(model: nn.Module, mesh, expert_mesh, param_dtype: torch.dtype, reduce_dtype: torch.dtype) -> bool:
     """FSDP would change nothing but the speed: one data-parallel rank (experts included), every
     parameter already in the compute and the reduce dtype (an fp32 run; a 16-bit policy keeps FSDP
@@ -72,9 +75,7 @@ def one_rank_is_plain(model: nn.Module, mesh, expert_mesh, param_dtype: torch.dt
     TP-replicated parameters into whole ones). On dense_small fp32 the copies were ~0.13 s of a 4.2 s step."""
     from torch.distributed.tensor import DTensor
 
-    if mesh.size() != 1 or (expert_mesh is not None and expert_mesh.size() != 1):
-        return False
-    return all(p.dtype == param_dtype == reduce_dtype and not isinstance(p, DTensor) for p in model.parameters())
+    return _one_rank(mesh, expert_mesh) and all(p.dtype == param_dtype == reduce_dtype and not isinstance(p, DTensor) for p in model.parameters())
 
 
 def prime_unsharded_params(model: nn.Module) -> None:
