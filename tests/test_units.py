@@ -111,3 +111,23 @@ def test_rows_padded_to_the_sequence_split():
     assert out["position_ids"].shape == (3, 2, 6) and out["position_ids"][:, :, 5].eq(1).all()
     assert out["mm_token_type_ids"][:, 5].eq(0).all() and out["attention_mask"][:, 5].eq(0).all()
     assert pad_to_multiple(batch, 5) is batch
+
+
+def test_clip_grad_norm_scales_over_the_limit_and_leaves_grads_alone_under_it():
+    from hyperpar.train.optim import clip_grad_norm
+
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(5, 3)), torch.nn.Parameter(torch.randn(7)),
+              torch.nn.Parameter(torch.randn(4).to(torch.bfloat16))]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    before = [p.grad.clone() for p in params]
+    norm = clip_grad_norm(params, 1e6)
+    expect = torch.stack([g.float().norm() for g in before]).norm()
+    torch.testing.assert_close(norm, expect, rtol=1e-6, atol=0)
+    assert all(torch.equal(p.grad, g) for p, g in zip(params, before))  # under the limit: untouched
+    norm = clip_grad_norm(params, 0.5)
+    scale = (0.5 / (norm + 1e-6)).clamp(max=1.0)
+    assert float(scale) < 1.0
+    for p, g in zip(params, before):  # over it: each gradient times the same scale, in its own dtype
+        assert torch.equal(p.grad, g * scale.to(g.dtype))
