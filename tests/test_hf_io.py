@@ -207,3 +207,20 @@ def test_errors(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match="no \\*.safetensors") as e:
         from_hf(d)
     _one_line(e.value)
+
+
+def test_transformers_moe_save_without_mtp_weights_names_the_override(tmp_path: Path) -> None:
+    """transformers' save_pretrained of a Qwen3.5-MoE keeps mtp_num_hidden_layers in config.json
+    but writes no mtp.* tensors: the error points at the override that builds the model without MTP,
+    and that override loads it."""
+    from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+
+    from fixtures import qwen3_5_moe
+    from hyperpar.models.build import ModelBuilder
+
+    d = tmp_path / "hf"
+    Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**qwen3_5_moe(mtp_num_hidden_layers=1))).save_pretrained(d)
+    with pytest.raises(CheckpointError, match=r"missing \d+: mtp\.") as e:
+        ModelBuilder(name="qwen3_5_moe", hf_path=str(d)).build_meta()
+    assert "model.overrides.mtp_num_hidden_layers=0" in _one_line(e.value)
+    ModelBuilder(name="qwen3_5_moe", hf_path=str(d), overrides={"mtp_num_hidden_layers": 0}).build_meta()

@@ -345,6 +345,19 @@ def test_layer_override_of_a_checkpoint_trains(tmp_path: Path) -> None:
     assert "vision-language checkpoint" in one_error_line(res)
 
 
+@pytest.mark.parametrize("name", ["qwen3_5_vl", "qwen3_5_moe_vl", "qwen3_vl_moe"])
+def test_tie_override_ties_a_vl_model(name: str) -> None:
+    """model.overrides.tie_word_embeddings on a VL family sets the flag the model ties by (the top
+    level): neither refused (qwen3_5 VL families) nor silently left untied (qwen3_vl_moe)."""
+    from hyperpar.models.build import ModelBuilder
+
+    for tie in (True, False):
+        builder = ModelBuilder(name=name, overrides={"tie_word_embeddings": tie})
+        model = builder.build_meta()
+        emb = next(p for n, p in model.named_parameters(remove_duplicate=False) if n.endswith("embed_tokens.weight"))
+        assert builder.args.tie_word_embeddings is tie and (model.lm_head.weight is emb) is tie
+
+
 def test_override_cuts_mtp_and_deepstack_with_their_stacks() -> None:
     from fixtures import qwen3_5_moe_vl, qwen3_vl_moe
 

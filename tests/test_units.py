@@ -131,3 +131,21 @@ def test_clip_grad_norm_scales_over_the_limit_and_leaves_grads_alone_under_it():
     assert float(scale) < 1.0
     for p, g in zip(params, before):  # over it: each gradient times the same scale, in its own dtype
         assert torch.equal(p.grad, g * scale.to(g.dtype))
+
+
+def test_clip_grad_norm_is_accurate_for_large_cpu_gradients_and_clips_uncounted_copies():
+    from hyperpar.train.optim import clip_grad_norm
+
+    torch.manual_seed(0)
+    big = torch.nn.Parameter(torch.empty(4 * 1024 * 1024 + 3))  # torch's own fp32 norm: ~8e-5 off here
+    big.grad = torch.randn_like(big)
+    small = torch.nn.Parameter(torch.empty(100))
+    small.grad = torch.randn_like(small)
+    exact = torch.cat([big.grad, small.grad]).double().norm()
+    norm = clip_grad_norm([big, small], 0.0)
+    assert abs(norm.double() - exact) / exact < 1e-6
+    copy = torch.nn.Parameter(torch.empty(100))  # a second copy of a shared weight: clipped, not counted
+    copy.grad = small.grad.clone()
+    norm = clip_grad_norm([big, small], 1.0, uncounted=[copy])
+    assert abs(norm.double() - exact) / exact < 1e-6
+    assert torch.equal(copy.grad, small.grad) and float(small.grad.norm()) < 1e-1

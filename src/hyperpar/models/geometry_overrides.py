@@ -99,6 +99,10 @@ def apply_overrides(config: dict[str, Any], overrides: dict[str, Any], *, loadin
         elif key == "mtp_num_hidden_layers":
             holder = text if "mtp_num_hidden_layers" in text or "mtp_num_hidden_layers" not in cfg else cfg
             left += _cut_mtp(holder, int(value), loading)
+        elif key == "tie_word_embeddings" and composite:
+            # A composite (VL) model ties by its top-level flag (the ForConditionalGeneration rule);
+            # the text config's own copy alone is ignored by one family and overridden by the other.
+            cfg[key] = text[key] = copy.deepcopy(value)
         else:
             text[key] = copy.deepcopy(value)
     return cfg, left

@@ -173,10 +173,11 @@ def check_checkpoint(model: nn.Module, adapter: Any, ckpt: HFCheckpoint) -> set[
             parts.append(f"missing {len(missing)}: {_list(missing)}")
         if wrong:
             parts.append(f"wrong shape {len(wrong)}: {_list(wrong)}")
-        raise CheckpointError(
-            f"'{ckpt.path}' does not match the model config: {'; '.join(parts)}",
-            hint="is config.json from the same checkpoint as the weights?",
-        )
+        hint = "is config.json from the same checkpoint as the weights?"
+        if missing and not wrong and all(n.startswith("mtp.") for n in missing):
+            # transformers' save_pretrained keeps mtp_num_hidden_layers in config.json but drops mtp.*
+            hint = "the checkpoint has no MTP weights: +model.overrides.mtp_num_hidden_layers=0 builds the model without them"
+        raise CheckpointError(f"'{ckpt.path}' does not match the model config: {'; '.join(parts)}", hint=hint)
     return used
 
 

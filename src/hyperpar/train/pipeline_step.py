@@ -168,7 +168,10 @@ class PipelineStep:
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         skip = self.shared.duplicate
         params = [p for part in self.parts for p in part.parameters() if id(p) not in skip]
-        return clip_grad_norm(params, max_norm, pp=self.pdims.pp)
+        # The last stage's copy of a shared embedding is counted once in the norm but clipped like
+        # the first stage's: clipping one copy only let the two (equal gradients) drift apart.
+        copies = [p for part in self.parts for p in part.parameters() if id(p) in skip]
+        return clip_grad_norm(params, max_norm, pp=self.pdims.pp, uncounted=copies)
 
     @property
     def optim_model(self) -> nn.Module:
