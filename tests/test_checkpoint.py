@@ -60,6 +60,18 @@ def test_explicit_load_path_into_a_new_run(single_base, tmp_path):
     assert records(run) == {s: base[s] for s in range(11, 21)}
 
 
+def test_resume_with_a_smaller_global_batch_runs_to_the_end(tmp_path):
+    # 16 samples consumed at global batch 4, then 4 more steps at 2: samples 16..23, past the
+    # 8 x 2 = 16 the data source was sized for before the fix (IndexError at the first step).
+    data = ["data=json", "train.steps=8"]
+    run_small(tmp_path / "a", [*CKPT, *data, "train.stop_after_steps=4"], steps=8)
+    run = tmp_path / "b"
+    run_small(run, [*CKPT, *data, f"checkpoint.load_path={tmp_path}/a/checkpoints/step_4",
+                    "train.global_batch_size=2"], steps=8)
+    recs = records(run)
+    assert sorted(recs) == [5, 6, 7, 8] and {r["tokens"] for r in recs.values()} == {2 * 16}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", [pytest.param("ddp2", marks=pytest.mark.full), "fsdp2",
                                     pytest.param("hsdp2x2", marks=pytest.mark.full)])

@@ -162,6 +162,10 @@ def test_hf_save_to_disk_parquet_and_json_agree(tmp_path):
         build("hf", path=str(tmp_path / "dd"), split="test", seq_len=8, num_samples=1)
     capped = build("hf", path=str(tmp_path / "saved"), max_samples=3, seq_len=8, num_samples=2, pack=False)
     assert capped.units == 2  # of the first three records one is empty
+    # a plain (split-less) Dataset: another split, or a slice, would silently read every row
+    for split in ("validation", "train[:2]"):
+        with pytest.raises(DataError, match="save_to_disk Dataset without splits"):
+            build("hf", path=str(tmp_path / "saved"), split=split, seq_len=8, num_samples=1)
 
 
 def test_cache_is_written_once_and_reused(tmp_path, monkeypatch):

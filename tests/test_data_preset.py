@@ -6,6 +6,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from hyperpar.data.collate import collate_text
 from hyperpar.data.hf import IGNORE_INDEX
 from hyperpar.data.loader import DistributedBatchLoader
 from hyperpar.data.registry import DataContext, build_dataset
@@ -139,6 +140,47 @@ def test_vl_loader_split_over_dp_ranks(tmp_path):
     assert mb0["mm_token_type_ids"].sum() == 0 and mb0["position_ids"].shape == (3, 2, 24)
     (mixed,) = loaders[1].next_step()  # rows 6, 7 = 1, 2: a text row next to a VL row
     assert mixed["image_grid_thw"].tolist() == [[1, 4, 6]] and mixed["position_ids"].shape == (3, 2, 24)
+
+
+def test_vl_rows_without_positions_share_micro_batches_with_padded_text_rows(tmp_path):
+    # VL rows without position_ids (the model computes mRoPE) and a text-only file, all shorter than
+    # train.seq_len (so every row gets an attention mask): the text rows must not get 1-D span
+    # positions the VL rows lack, or a micro-batch mixing them cannot be collated.
+    t = vl_tensors()
+    del t["position_ids"]
+    save_file(t, str(tmp_path / "vl.safetensors"))
+    save_file({"input_ids": torch.randint(0, 900, (2, 24))}, str(tmp_path / "b.safetensors"))
+    src = build(tmp_path, seq_len=26, num_samples=10)
+    assert src.is_vl
+    text, vl = src[0], src[2]
+    per_token = {"input_ids", "labels", "attention_mask", "mm_token_type_ids"}
+    assert set(text) == per_token and per_token <= set(vl) and "position_ids" not in vl
+    assert text["attention_mask"].tolist() == [1] * 24 + [0] * 2
+    mixed = src.collate([src[1], src[2]])  # a text row next to a VL row
+    assert mixed["input_ids"].shape == (2, 26) and mixed["image_grid_thw"].tolist() == [[1, 4, 6]]
+
+
+def test_text_file_without_positions_next_to_packed_one(tmp_path):
+    # Every sample carries position_ids, so a micro-batch mixing the files keeps the packed rows'
+    # document starts (collate_text took the first sample's keys: dropped, or a KeyError).
+    ids = torch.randint(0, 900, (2, 16), generator=torch.Generator().manual_seed(0))
+    packed = torch.cat([torch.arange(6), torch.arange(10)]).repeat(2, 1)
+    save_file({"input_ids": ids, "position_ids": packed}, str(tmp_path / "a.safetensors"))
+    save_file({"input_ids": ids}, str(tmp_path / "b.safetensors"))
+    src = build(tmp_path, seq_len=16, num_samples=4)
+    assert src[2]["position_ids"].tolist() == list(range(16))
+    for rows in ([0, 2], [2, 0]):
+        batch = collate_text([src[i] for i in rows])
+        assert torch.equal(batch["position_ids"][rows.index(0)], packed[0])
+
+
+def test_vl_file_without_positions_next_to_one_with_them_is_refused(tmp_path):
+    # Arange positions for its VL rows would silently replace the mRoPE positions of their images.
+    t = vl_tensors()
+    save_file(t, str(tmp_path / "a.safetensors"))
+    save_file({k: v for k, v in t.items() if k != "position_ids"}, str(tmp_path / "b.safetensors"))
+    with pytest.raises(DataError, match="b.safetensors: vision-language rows without position_ids"):
+        build(tmp_path, seq_len=24, num_samples=6)
 
 
 def test_vl_errors(tmp_path):

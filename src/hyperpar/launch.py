@@ -72,6 +72,7 @@ def worker_main(cfg: DictConfig, run_dir: str) -> dict[str, Any]:
     """Train one job as one rank. Returns a small summary (rank 0's losses)."""
     import torch
     import torch.distributed as dist
+    from hyperpar.checkpoint.manager import samples_to_read
     from hyperpar.checkpoint.preemption import PreemptionFlag
     from hyperpar.config import build as instantiate
     from hyperpar.config import dtype_of
@@ -149,14 +150,15 @@ def worker_main(cfg: DictConfig, run_dir: str) -> dict[str, Any]:
         optimizer, scheduler = instantiate(cfg.optim, _partial_=True)(
             model=pipeline.optim_model if pipeline is not None else model, total_steps=cfg.train.steps)
         t = cfg.train
-        ctx = DataContext(seq_len=t.seq_len, seed=t.seed, num_samples=t.steps * t.global_batch_size,
+        # Restarted workers (elastic restart) always resume from the newest complete checkpoint.
+        checkpointer = instantiate(cfg.checkpoint, _partial_=True)(
+            run_dir=run_dir, job_cfg=cfg, rank=rank, world_size=world, device_type=dev.type)
+        resume_path = checkpointer.choose_resume()
+        ctx = DataContext(seq_len=t.seq_len, seed=t.seed, num_samples=samples_to_read(t, resume_path),
                           vocab_size=builder.args.vocab_size if hasattr(builder.args, "vocab_size") else builder.args.text.vocab_size,
                           model_args=builder.args, default_type=cfg.model.default_data or builder.spec.default_data, run_dir=run_dir)
         dataset = instantiate(cfg.data, _partial_=True, _convert_="all")(context=ctx)
         loader = DistributedBatchLoader.for_layout(dataset, pdims, t, pad_id=pad_token_id(builder.args))
-        # Restarted workers (elastic restart) always resume from the newest complete checkpoint.
-        checkpointer = instantiate(cfg.checkpoint, _partial_=True)(
-            run_dir=run_dir, job_cfg=cfg, rank=rank, world_size=world, device_type=dev.type)
         seq_flops = model.flops_per_token(t.seq_len)
         trainer = instantiate(cfg.trainer, _partial_=True)(
             model=model, optimizer=optimizer, scheduler=scheduler, loader=loader, parallel_dims=pdims,
@@ -167,7 +169,7 @@ def worker_main(cfg: DictConfig, run_dir: str) -> dict[str, Any]:
             objective=Objective(mtp_weight=cfg.model.mtp_loss_weight, loss_parallel=use_loss_parallel(pdims, cfg.train),
                                 cp=SequenceShard.of(pdims)),
         )
-        checkpointer.resume(trainer)
+        checkpointer.resume(trainer, resume_path)
         # metrics.jsonl is appended to: a resumed run continues its file (readers keep the last record per step).
         metrics = MetricsWriter(run_dir, rank=rank, total_steps=t.steps, start_step=trainer.step,
                                 progress_bar=cfg.metrics.progress_bar, tensorboard=cfg.metrics.tensorboard, log_every=t.log_every)

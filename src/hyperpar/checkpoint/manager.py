@@ -144,9 +144,10 @@ class Checkpointer:
             raise cls(msg, hint=hint)
         return Path(box[0][1]) if box[0][1] else None
 
-    def resume(self, trainer) -> int | None:
-        """Load the chosen checkpoint into ``trainer`` (model, optimizer, schedule, loader, counters, RNG)."""
-        path = self.choose_resume()
+    def resume(self, trainer, path: Path | None | bool = True) -> int | None:
+        """Load the chosen checkpoint into ``trainer`` (model, optimizer, schedule, loader, counters, RNG);
+        ``path``: what ``choose_resume`` returned, if the caller asked it already."""
+        path = self.choose_resume() if path is True else path
         if path is None:
             if self.restart_count > 0:
                 log.warning("restart %d found no complete checkpoint: training starts over", self.restart_count)
@@ -416,6 +417,22 @@ def _mb(n: int) -> str:
     if n < 2**20:
         return f"{n / 2**10:.0f} KB"
     return f"{n / 2**20:.1f} MB" if n < 2**30 else f"{n / 2**30:.2f} GB"
+
+
+def samples_to_read(train_cfg, path: Path | None) -> int:
+    """How many samples the run's data source must hold: ``train.steps x train.global_batch_size``, or,
+    resuming at step k after ``consumed`` samples at another global batch size, ``consumed`` plus the
+    remaining ``(steps - k)`` steps at the new one (a smaller global batch reads past the former)."""
+    steps, batch = int(train_cfg.steps), int(train_cfg.global_batch_size)
+    if path is None:
+        return steps * batch
+    state = d.read_json(Path(path) / d.TRAIN_STATE, "trainer state")
+    loader = state.get("loader") or {}
+    saved = int(loader.get("global_batch_size", batch))
+    if saved == batch:  # the same sample stream as the saving run
+        return steps * batch
+    done = int((state.get("counters") or {}).get("step", loader.get("step", 0)))
+    return max(steps * batch, int(loader.get("step", 0)) * saved + max(steps - done, 0) * batch)
 
 
 def check_resumable(path: Path, cfg: DictConfig) -> None:

@@ -209,6 +209,9 @@ def load_records(options: dict[str, Any], cache_dir: str) -> Any:
                     if split not in ds:
                         raise DataError(f"{raw}: no split {split!r} (splits: {', '.join(ds)})", hint="set data.split")
                     ds = ds[split]
+                elif split != "train":  # a plain Dataset has no splits: the whole of it would be read
+                    raise DataError(f"{raw}: a save_to_disk Dataset without splits; data.split={split!r} cannot "
+                                    "select from it", hint="leave data.split=train (all rows), or use data.max_samples")
             elif (files := _local_files(path)) is not None:
                 builder = fmt or next((_format_of(f) for f in files if _format_of(f)), None)
                 if os.path.isdir(path):  # a folder: its files of that format (not READMEs, licences, ...)

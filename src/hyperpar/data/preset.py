@@ -215,13 +215,15 @@ class _Shard:
         self.emit_mm = self.is_vl
         self.emit_mask = False
 
-    def pass_mask(self) -> None:
+    def pass_mask(self, vl_source: bool = False) -> None:
         """Hand the attention mask to the model (all ones where the file has none, so every row of the
-        source has one and the source's own right padding is masked too)."""
+        source has one and the source's own right padding is masked too). Text rows get positions
+        restarting on every span, except in a VL source: there a text-only file keeps the layout its
+        VL rows have (see ``conform``), so its rows can share a micro-batch with them."""
         if self.attention_mask is None:
             self.attention_mask = torch.ones_like(self.ids)
         self.emit_mask = True
-        if self.position_ids is None and not self.is_vl:
+        if self.position_ids is None and not self.is_vl and not vl_source:
             self.position_ids = span_positions(self.attention_mask)
 
     def conform(self, pos_rows: int | None) -> None:
@@ -230,6 +232,9 @@ class _Shard:
             self.mm = torch.zeros_like(self.ids, dtype=torch.int32)
         self.emit_mm = self.mm is not None
         if self.position_ids is None and pos_rows is not None:
+            if self.vision:  # arange positions would silently replace the mRoPE positions of its images
+                raise DataError(f"{self.path}: vision-language rows without position_ids, but other preset files "
+                                "have them", hint="store position_ids in every VL file, or in none")
             pos = torch.arange(self.seq).expand(self.n, self.seq)
             self.position_ids = (pos if pos_rows == 1 else pos.unsqueeze(1).expand(self.n, pos_rows, self.seq)).contiguous()
 
@@ -341,7 +346,13 @@ class PresetSource:
             self.collate = collate_vl
         if any(sh.attention_mask is not None or sh.seq < seq_len for sh in shards):
             for sh in shards:
-                sh.pass_mask()
+                sh.pass_mask(vl_source=self.is_vl)
+        if not self.is_vl and kinds:
+            # Text files without positions next to files with them: one document per row, stated, so
+            # every sample has the same keys (a micro-batch mixing them dropped the other rows' positions).
+            for sh in shards:
+                if sh.position_ids is None:
+                    sh.position_ids = torch.arange(sh.seq).expand(sh.n, sh.seq).contiguous()
 
     def __len__(self) -> int:
         return self.num_samples

@@ -128,6 +128,9 @@ class PipelineStep:
             rows["position_ids"] = torch.arange(S, device=input_ids.device).unsqueeze(0).expand(B, S).contiguous()
         if not self.vl and shares_embedding(self.parts[0].args) and getattr(self.parts[0].args, "mtp_loss_weight", 0) > 0:
             rows["token_ids"] = input_ids  # the last stage's MTP module embeds them
+        # torch's schedule pairs the inputs with its first step's chunk specs in flattening order,
+        # not by name: one key order for every step, whatever order a data source gives them in.
+        rows = dict(sorted(rows.items()))
         if self.schedule is None:
             self._build(rows)
         self.totals = dataclasses.replace(totals, micro_batches=self.n_microbatches * dp_size)
