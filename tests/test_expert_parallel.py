@@ -167,6 +167,16 @@ def test_ep2_matches_single(tmp_path, model):
                  f"{model} ep2")
 
 
+def test_ep2_selective_activation_checkpoint_matches_single(tmp_path):
+    """Selective AC under ep: the experts are an FSDP unit inside each checkpointed block, whose hooks
+    open record_function ranges a different number of times in forward and recompute (it crashed:
+    "profiler._record_function_enter_new ... invocation index 3 ... not found in storage")."""
+    extra = MODELS["qwen3_5_moe"]
+    check_parity(run(tmp_path / "single", [*extra, "parallel=single"]),
+                 run(tmp_path / "ep2_sel", [*extra, "parallel=ep2", "train.activation_checkpoint=selective"]),
+                 "qwen3_5_moe ep2 selective AC")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("model", [m if m == "qwen3_5_moe" else pytest.param(m, marks=pytest.mark.full)
                                    for m in sorted(MODELS)])

@@ -105,6 +105,9 @@ def test_stage_statistics_add_up_to_the_whole_model():
     (["parallel=pp2", "parallel.pp_schedule=interleaved_1f1b"], "interleaved_1f1b needs vpp > 1"),
     (["parallel=pp2", "parallel.pp_layers=[3,3]"], "parallel.pp_layers=[3, 3] must give 2 stages"),
     (["parallel=pp2_zb", "parallel.vpp=2", "train.pp_microbatches=1"], "needs at least pp=2 micro-batches"),
+    (["parallel=pp2_zb", "train.activation_checkpoint=selective"], "zero_bubble with train.activation_checkpoint=selective"),
+    (["parallel=ep2_pp2", "model=qwen3_5_moe", "train.activation_checkpoint=selective"],
+     "pp with ep and train.activation_checkpoint=selective"),
 ])
 def test_plan_refuses_what_is_not_built(overrides, message):
     from hyperpar.errors import PlanError

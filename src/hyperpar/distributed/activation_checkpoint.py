@@ -29,6 +29,18 @@ _SAVE_OPS = {
 }
 
 
+# Profiler bookkeeping (``record_function`` enter/exit) is no computation, but it is dispatched:
+# FSDP's hooks on a unit inside a block (the experts under ep) open a different number of
+# ``record_function`` ranges in the forward and in the recompute, which selective checkpointing's
+# per-op invocation count takes for a mismatch ("invocation index 3 ... not found in storage").
+# torch's own set of ops the selective cache skips (``SAC_IGNORED_OPS``, public) gets them too.
+torch.utils.checkpoint.SAC_IGNORED_OPS.update({
+    torch.ops.profiler._record_function_enter.default,
+    torch.ops.profiler._record_function_enter_new.default,
+    torch.ops.profiler._record_function_exit._RecordFunction,
+})
+
+
 def _selective_policy(ctx, op, *args, **kwargs):
     return CheckpointPolicy.MUST_SAVE if op in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 

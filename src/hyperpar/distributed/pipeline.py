@@ -380,6 +380,18 @@ class PipelineJob:
             raise PlanError(f"parallel.pp_schedule={schedule} with vpp {pdims.vpp}: interleaved_1f1b needs vpp > 1, "
                             "gpipe and 1f1b need vpp 1")
         t = cfg.train
+        if schedule == "zero_bubble" and t.activation_checkpoint == "selective":
+            # the weight-gradient pass backs through each block a second time; selective AC's saved
+            # outputs are consumed by the first pass (torch: "backward an extra time")
+            raise PlanError("parallel.pp_schedule=zero_bubble with train.activation_checkpoint=selective not supported "
+                            "(its weight-gradient pass backs through each block a second time)",
+                            hint="use activation_checkpoint=full or none, or another pp_schedule")
+        if pdims.ep > 1 and t.activation_checkpoint == "selective":
+            # the experts are an FSDP unit inside each checkpointed block: with a stage's micro-batches
+            # all forwarded before their backwards, the recompute all-gathers them where the forward did not
+            raise PlanError("pp with ep and train.activation_checkpoint=selective not supported "
+                            "(the experts' FSDP all-gather runs in the recompute but not in the forward)",
+                            hint="use activation_checkpoint=full or none")
         local_rows = t.global_batch_size // pdims.dp
         n = int(t.pp_microbatches) if t.pp_microbatches else local_rows // t.micro_batch_size
         if n < 1 or local_rows % n:
