@@ -144,10 +144,9 @@ class Checkpointer:
             raise cls(msg, hint=hint)
         return Path(box[0][1]) if box[0][1] else None
 
-    def resume(self, trainer, path: Path | None | bool = True) -> int | None:
-        """Load the chosen checkpoint into ``trainer`` (model, optimizer, schedule, loader, counters, RNG);
-        ``path``: what ``choose_resume`` returned, if the caller asked it already."""
-        path = self.choose_resume() if path is True else path
+    def resume(self, trainer, path: Path | None) -> int | None:
+        """Load checkpoint ``path`` (what ``choose_resume`` returned; None: a fresh start) into
+        ``trainer`` (model, optimizer, schedule, loader, counters, RNG)."""
         if path is None:
             if self.restart_count > 0:
                 log.warning("restart %d found no complete checkpoint: training starts over", self.restart_count)
@@ -419,6 +418,15 @@ def _mb(n: int) -> str:
     return f"{n / 2**20:.1f} MB" if n < 2**30 else f"{n / 2**30:.2f} GB"
 
 
+def _data_position(path: Path) -> tuple[dict, int | None, int]:
+    """A checkpoint's trainer state, the global batch size it was saved at (None if unrecorded) and
+    the samples its loader had consumed."""
+    state = d.read_json(Path(path) / d.TRAIN_STATE, "trainer state")
+    loader = state.get("loader") or {}
+    saved = loader.get("global_batch_size")
+    return state, None if saved is None else int(saved), int(loader.get("step", 0)) * int(saved or 0)
+
+
 def samples_to_read(train_cfg, path: Path | None) -> int:
     """How many samples the run's data source must hold: ``train.steps x train.global_batch_size``, or,
     resuming at step k after ``consumed`` samples at another global batch size, ``consumed`` plus the
@@ -426,23 +434,21 @@ def samples_to_read(train_cfg, path: Path | None) -> int:
     steps, batch = int(train_cfg.steps), int(train_cfg.global_batch_size)
     if path is None:
         return steps * batch
-    state = d.read_json(Path(path) / d.TRAIN_STATE, "trainer state")
-    loader = state.get("loader") or {}
-    saved = int(loader.get("global_batch_size", batch))
-    if saved == batch:  # the same sample stream as the saving run
+    state, saved, consumed = _data_position(path)
+    if saved is None or saved == batch:  # the same sample stream as the saving run
         return steps * batch
+    loader = state.get("loader") or {}
     done = int((state.get("counters") or {}).get("step", loader.get("step", 0)))
-    return max(steps * batch, int(loader.get("step", 0)) * saved + max(steps - done, 0) * batch)
+    return max(steps * batch, consumed + max(steps - done, 0) * batch)
 
 
 def check_resumable(path: Path, cfg: DictConfig) -> None:
     """What the loaded trainer state would reject, checked before anything is written: the data
     position only carries over to a global batch size that divides the samples consumed so far."""
-    loader = d.read_json(path / d.TRAIN_STATE, "trainer state").get("loader") or {}
-    saved, new = loader.get("global_batch_size"), int(cfg.train.global_batch_size)
-    if saved is None or int(saved) == new:
+    _, saved, consumed = _data_position(path)
+    new = int(cfg.train.global_batch_size)
+    if saved is None or saved == new:
         return
-    consumed = int(loader.get("step", 0)) * int(saved)
     if consumed % new:
         raise CheckpointError(f"cannot resume from '{path}' with train.global_batch_size={new}: it consumed {consumed} "
                               f"samples at global batch {saved}, not a multiple of {new}",

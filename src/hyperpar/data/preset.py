@@ -223,7 +223,7 @@ class _Shard:
         if self.attention_mask is None:
             self.attention_mask = torch.ones_like(self.ids)
         self.emit_mask = True
-        if self.position_ids is None and not self.is_vl and not vl_source:
+        if self.position_ids is None and not vl_source:
             self.position_ids = span_positions(self.attention_mask)
 
     def conform(self, pos_rows: int | None) -> None:
@@ -231,6 +231,11 @@ class _Shard:
         if self.mm is None and not self.vision:
             self.mm = torch.zeros_like(self.ids, dtype=torch.int32)
         self.emit_mm = self.mm is not None
+        self.fill_positions(pos_rows)
+
+    def fill_positions(self, pos_rows: int | None) -> None:
+        """Where the file has no positions but others of the source have them (``pos_rows`` rows each,
+        1 for text): one document per row, so every sample carries the same keys."""
         if self.position_ids is None and pos_rows is not None:
             if self.vision:  # arange positions would silently replace the mRoPE positions of its images
                 raise DataError(f"{self.path}: vision-language rows without position_ids, but other preset files "
@@ -347,12 +352,9 @@ class PresetSource:
         if any(sh.attention_mask is not None or sh.seq < seq_len for sh in shards):
             for sh in shards:
                 sh.pass_mask(vl_source=self.is_vl)
-        if not self.is_vl and kinds:
-            # Text files without positions next to files with them: one document per row, stated, so
-            # every sample has the same keys (a micro-batch mixing them dropped the other rows' positions).
+        if not self.is_vl:  # a micro-batch mixing rows with and without positions dropped the others'
             for sh in shards:
-                if sh.position_ids is None:
-                    sh.position_ids = torch.arange(sh.seq).expand(sh.n, sh.seq).contiguous()
+                sh.fill_positions(next(iter(kinds), None))
 
     def __len__(self) -> int:
         return self.num_samples
