@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from helpers import run_cli
 
@@ -64,3 +65,38 @@ def test_dry_run_shows_tensor_parallel_memory(tmp_path):
     assert res.returncode == 0, res.stderr
     assert "split over tp = 2" in res.stdout and "tensor par  sequence_parallel=True, loss_parallel=True" in res.stdout
     assert "verdict     OK" in res.stdout
+
+
+def test_dry_run_of_heads_tp_cannot_split_is_a_verdict_not_a_traceback(tmp_path):
+    """dry_run=true with tp 3 over 4 heads / 2 KV heads: the memory estimate read the tp plan, which raised
+    ValueError ('2 KV heads cannot be split over tp 3') past the verdict: a traceback wall, exit 1."""
+    from omegaconf import OmegaConf
+
+    from helpers import compose_cfg
+    from hyperpar.errors import PlanError
+    from hyperpar.plan import make_plan
+
+    cfg = OmegaConf.merge(compose_cfg(["parallel.world_size=3", "parallel.tp=3", "dry_run=true"]),
+                          {"run_dir": str(tmp_path)})
+    plan = make_plan(cfg, strict=False)
+    assert not plan.ok and "attention heads 4 not divisible by tp 3" in plan.render()
+    with pytest.raises(PlanError, match="not divisible by tp 3"):
+        make_plan(cfg, strict=True)
+
+
+def test_dry_run_rejects_a_device_the_run_would_refuse(tmp_path):
+    """dry_run=true said 'OK: the plan is valid' for device=xyz (and device=cuda on a host without CUDA),
+    which the run itself refuses before its first step."""
+    from omegaconf import OmegaConf
+
+    from helpers import compose_cfg
+    from hyperpar.errors import ConfigError
+    from hyperpar.plan import make_plan
+
+    for device, why in (("xyz", "unknown device 'xyz'"), *([("cuda", "no CUDA device")] if not torch.cuda.is_available() else [])):
+        cfg = OmegaConf.merge(compose_cfg([f"device={device}", "parallel=fsdp2", "dry_run=true"]), {"run_dir": str(tmp_path)})
+        plan = make_plan(cfg, strict=False)
+        assert not plan.ok and why in plan.render()
+        with pytest.raises(ConfigError, match=why):
+            make_plan(cfg, strict=True)
+    assert make_plan(OmegaConf.merge(compose_cfg(["device=cpu", "parallel=fsdp2"]), {"run_dir": str(tmp_path)})).ok

@@ -152,3 +152,22 @@ def test_single_vs_fsdp2_parity(tmp_path, make):
     assert worst <= 1e-5, worst
     assert json.loads((sweep / "parity.json").read_text())["passed"] is True
     assert base[10] < base[1]  # real text: the loss goes down
+
+
+def test_megatron_token_outside_the_model_vocabulary_is_a_data_error(megatron_prefix, tmp_path):
+    """A corpus tokenized with a larger vocabulary than the model's (or a damaged .bin) used to pass every
+    check and end in 'IndexError: index out of range in self' from the embedding, a traceback wall at
+    whichever step first read such a token (a device-side assert on GPU)."""
+    import numpy as np
+
+    ctx = DataContext(seq_len=16, seed=5, num_samples=40, vocab_size=2048)
+    small = DataContext(seq_len=16, seed=5, num_samples=40, vocab_size=100)  # the corpus uses ids up to ~2000
+    src = build_dataset("megatron", context=small, prefix=megatron_prefix, cache_dir=str(tmp_path / "c"),
+                        tokenizer=TOKENIZER)
+    with pytest.raises(DataError, match=r"sample \d+ holds token id \d+, outside the model's vocabulary of 100 ids"):
+        for i in range(len(src)):
+            src[i]
+    ok = build_dataset("megatron", context=ctx, prefix=megatron_prefix, cache_dir=str(tmp_path / "c"),
+                       tokenizer=TOKENIZER)
+    assert all(int(ok[i]["input_ids"].max()) < 2048 for i in range(len(ok)))
+    assert np.all([int(ok[i]["labels"].min()) >= -100 for i in range(len(ok))])

@@ -95,6 +95,7 @@ def test_torchrun_uses_one_run_dir_and_matches_in_process_launch(tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     assert (torchrun_dir / "logs" / "rank_1.log").exists()
     assert json.loads((torchrun_dir / "result.json").read_text())["status"] == "completed"
+    assert (torchrun_dir / "config.yaml").is_file()  # the resolved config, as under our launcher (export reads it)
     # Restarts are torchrun's own flag there: one line says so (from rank 0 only).
     note = "launch.max_restarts=1 has no effect under an external torchrun"
     assert res.stderr.count(note) == 1, res.stderr[-3000:]

@@ -226,3 +226,19 @@ def test_step_tolerance_setting() -> None:
     assert step_tolerance(None) == "auto" and step_tolerance("auto") == "auto"
     assert step_tolerance("off") is None and step_tolerance(False) is None
     assert step_tolerance(1e-4) == 1e-4 and step_tolerance("2e-5") == 2e-5
+
+
+def test_tolerance_step_settings_compose() -> None:
+    """parity.md's `parity.tolerance_step=off` composes (the schema typed it float and refused it), and the
+    value reaches the callback as the setting it names."""
+    from helpers import compose_cfg
+
+    from hyperpar.config import check_values
+    from hyperpar.errors import ConfigError
+
+    for value, setting in (("off", None), ("1e-4", 1e-4), ("null", "auto"), ("auto", "auto")):
+        cfg = check_values(compose_cfg(["+experiment=parity", f"parity.tolerance_step={value}"]), warn=False)
+        assert step_tolerance(cfg.parity.tolerance_step) == setting
+    for bad in ("abc", "-1", "true"):
+        with pytest.raises(ConfigError, match="parity.tolerance_step"):
+            check_values(compose_cfg(["+experiment=parity", f"parity.tolerance_step={bad}"]), warn=False)

@@ -50,12 +50,28 @@ _register()
 
 def _error(e: HyperparError) -> None:
     print(e.one_line(), file=sys.stderr)
-    sys.exit(2)
+    sys.exit(getattr(e, "exit_code", 2))
 
 
 def _job_label(overrides: list[str]) -> str:
     shown = [o for o in overrides if not o.startswith(("hydra.", "+experiment"))]
     return ",".join(shown) or "defaults"
+
+
+def _last_step(run_dir: str) -> int | None:
+    """The last step a failed run did (``metrics.jsonl``'s last record; rank 0 writes one per step)."""
+    import json
+
+    try:
+        lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        try:
+            return int(json.loads(line)["step"])
+        except (ValueError, KeyError, TypeError):
+            continue  # a line cut short by the crash
+    return None
 
 
 @hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name="config")
@@ -99,7 +115,8 @@ def _task(cfg: DictConfig) -> float | None:
         # Only a job that began in its run dir records its failure: a refused one (run dir locked by
         # another run, a checkpoint it cannot resume) must leave that dir as it was.
         if rank0 and (multirun or job_started(run_dir)):
-            write_result(run_dir, cfg, status="failed", error=e.one_line(), job_name=_job_label(overrides), overrides=overrides)
+            write_result(run_dir, cfg, status="failed", error=e.one_line(), job_name=_job_label(overrides), overrides=overrides,
+                         step=_last_step(run_dir))
         if multirun and cfg.parity.enabled:
             # Keep the sweep going so the parity report runs and states which job failed.
             print(e.one_line(), file=sys.stderr)
@@ -108,7 +125,7 @@ def _task(cfg: DictConfig) -> float | None:
     except Exception as e:
         if rank0 and (multirun or job_started(run_dir)):
             write_result(run_dir, cfg, status="failed", error=f"{type(e).__name__}: {e}".splitlines()[0],
-                         job_name=_job_label(overrides), overrides=overrides)
+                         job_name=_job_label(overrides), overrides=overrides, step=_last_step(run_dir))
         if multirun and cfg.parity.enabled:
             import traceback
 
@@ -225,10 +242,26 @@ def _compose_message(e: Exception) -> str:
     return " ".join(lines)
 
 
+class _SigtermOutsideTraining(BaseException):
+    """SIGTERM while no training loop holds the signal (composing, planning, verifying a checkpoint)."""
+
+
+def _raise_sigterm(signum, frame) -> None:
+    raise _SigtermOutsideTraining()
+
+
 def cli() -> None:
     """Console-script and ``python -m hyperpar`` entry."""
+    import signal
+
     from hyperpar.launch import under_torchrun
 
+    # Until the training loop (or the elastic agent) takes SIGTERM over, it used to kill the driver
+    # silently with exit 143; the docs promise a preempted run exits 0 with a line saying what happened.
+    import threading
+
+    main_thread = threading.current_thread() is threading.main_thread()  # signal handlers live there
+    previous = signal.signal(signal.SIGTERM, _raise_sigterm) if main_thread else None
     try:
         preflight(sys.argv[1:])
         if under_torchrun() and int(os.environ.get("RANK", 0)) != 0:
@@ -239,3 +272,9 @@ def cli() -> None:
         # Ctrl-C before the training loop took over SIGINT (composing, importing, building): nothing to save.
         print("[hyperpar] interrupted (Ctrl-C) before training started: nothing saved", file=sys.stderr)
         sys.exit(130)
+    except _SigtermOutsideTraining:
+        print("[hyperpar] preempted (SIGTERM) outside the training loop: nothing saved", file=sys.stderr)
+        sys.exit(0)
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)  # an in-process caller (tests) gets its own handler back

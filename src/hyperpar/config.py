@@ -172,7 +172,8 @@ class LaunchConfig:
 class ParityConfig:
     enabled: bool = False
     tolerance_mean: float = 5e-3
-    tolerance_step: Optional[float] = None  # None: 1e-5 in fp32, skipped in bf16
+    # None: 1e-5 in fp32, skipped in bf16; a number > 0: every job; "off": not checked (Any: a str too)
+    tolerance_step: Any = None
     baseline: Optional[str] = None
 
 
@@ -267,7 +268,8 @@ _VALUE_RULES: list[tuple[str, Any, str]] = [
     ("launch.cpu_gemm", lambda v: v in CPU_GEMM, f"one of {', '.join(CPU_GEMM)}"),
     ("metrics.peak_tflops", lambda v: v is None or (_finite(v) and v > 0), "> 0 or null"),
     ("parity.tolerance_mean", lambda v: _finite(v) and v > 0, "a finite number > 0"),
-    ("parity.tolerance_step", lambda v: v is None or (_finite(v) and v > 0), "> 0 or null"),
+    ("parity.tolerance_step", lambda v: v is None or v is False or (isinstance(v, str) and v.lower() in ("auto", "off", "none"))
+     or (not isinstance(v, (str, bool)) and _finite(v) and v > 0), "> 0, null (auto) or off"),
 ]
 _DTYPES = ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
 _MISSING = object()

@@ -43,3 +43,11 @@ class TrainingError(HyperparError):
     """The run itself went wrong in a way the user must act on (e.g. non-finite loss)."""
 
     kind = "training"
+
+
+class WorkerError(HyperparError):
+    """A worker process died (a signal: out of memory, killed) or crashed; its own output says more.
+    Not a user mistake: exit code 1, but one line rather than the launcher's traceback."""
+
+    kind = "worker"
+    exit_code = 1

@@ -17,7 +17,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from hyperpar import worker_fork
+from hyperpar import driver_watch, worker_fork
 from hyperpar.errors import HyperparError, TrainingError
 
 log = logging.getLogger("hyperpar")
@@ -204,11 +204,21 @@ def run_worker(cfg_path: str, run_dir: str, envs: tuple[dict, dict] | None = Non
     if envs is not None:
         worker_fork.adopt_driver_env(*envs)
     os.environ["HYPERPAR_WORKER"] = "1"
+    driver_watch.watch_driver_from_env()  # a driver that dies (kill -9, OOM) stops its workers
     cfg = OmegaConf.load(cfg_path)
     try:
         result = worker_main(cfg, run_dir)
     except HyperparError as e:
-        print(e.one_line(), file=sys.stderr)
+        # The driver reports the error once (it reads user_error.txt); every rank printing it too made
+        # one line N + 1. The rank's log keeps it. worker_main writes the file for errors of its job;
+        # one raised before (the device, the process group) is written here.
+        _log_to_rank_file(e.one_line())
+        user = Path(run_dir) / USER_ERROR_FILE
+        if not user.exists():
+            try:
+                user.write_text(e.one_line() + "\n")
+            except OSError:
+                print(e.one_line(), file=sys.stderr)  # the run dir is gone: say it here
         sys.exit(2)
     except Exception as e:
         if _peer_lost(e):
@@ -219,16 +229,63 @@ def run_worker(cfg_path: str, run_dir: str, envs: tuple[dict, dict] | None = Non
 
             time.sleep(max(1.0, 3 * float(cfg.launch.monitor_interval)))
         raise
-    if result.get("stop_reason") == "preempted":
-        # An agent that forwarded SIGTERM is shutting down and no longer tells workers that it has read
-        # their result: it would SIGKILL them after its shutdown timeout. The result is queued (the
-        # pipe keeps it) by the time this fires, so exiting 0 is safe whether or not the agent reads it.
+    if result.get("stop_reason") in ("preempted", "stopped") or driver_watch.gone():
+        # An agent that forwarded SIGTERM (or SIGINT: Ctrl-C) is shutting down and no longer tells
+        # workers that it has read their result: it would SIGKILL them after its shutdown timeout (and
+        # a dead driver's agent never reads it). The result is queued (the pipe keeps it) by the time
+        # this fires, so exiting 0 is safe whether or not the agent reads it.
         import threading
 
         timer = threading.Timer(2.0, os._exit, args=(0,))
         timer.daemon = True
         timer.start()
     return result
+
+
+def _worker_failure(rank: int, failure: Any, run_dir: str, max_restarts: int) -> HyperparError:
+    """One line for a worker that died or crashed (the launcher's own report is a traceback wall)."""
+    from hyperpar.errors import WorkerError
+
+    log_file = Path(run_dir) / "logs" / f"rank_{rank}.log"
+    code = failure.exitcode
+    after = f" after {max_restarts} restart(s)" if max_restarts > 0 else ""
+    if code is not None and code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        why = " (killed from outside: out of memory, or a scheduler)" if -code == signal.SIGKILL else ""
+        message = f"worker rank {rank} died of {name}{why}{after}; its log: {log_file}"
+    else:
+        message = f"worker rank {rank} exited with code {code}{after}; its traceback is above and in {log_file}"
+    hint = None if max_restarts > 0 else "launch.max_restarts=N with checkpoint=default restarts the workers from the last checkpoint"
+    return WorkerError(message, hint=hint)
+
+
+def _log_to_rank_file(line: str) -> None:
+    """Write ``line`` to this rank's ``logs/rank_<r>.log`` only (not the console)."""
+    for h in logging.getLogger("hyperpar").handlers:
+        if isinstance(h, logging.FileHandler):
+            h.emit(logging.LogRecord("hyperpar", logging.ERROR, __file__, 0, line, None, None))
+
+
+class _WorkerExitFilter(logging.Filter):
+    """The elastic launcher logs a failed worker with the traceback of its own polling code (torch's
+    spawn internals, a dozen lines). Keep one line: a worker that exited 2 stopped on a user error
+    that the driver reports itself (dropped); any other exit (a signal, a crash) keeps its line with
+    the exception's words (``process 1 terminated with signal SIGKILL``)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if exc is None or type(exc).__name__ not in ("ProcessExitedException", "ProcessRaisedException"):
+            return True
+        if getattr(exc, "exit_code", None) == 2:
+            return False
+        first = str(exc).strip().splitlines()
+        record.msg = f"{record.getMessage()}: {first[0] if first else type(exc).__name__}"
+        record.args = None
+        record.exc_info = record.exc_text = None
+        return True
 
 
 _PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")
@@ -278,6 +335,7 @@ def launch_workers(cfg: DictConfig, run_dir: str) -> dict[str, Any]:
     n = int(cfg.parallel.world_size)
     set_worker_threads(cfg)
     method = start_method(cfg)
+    os.environ[driver_watch.ENV] = str(os.getpid())  # the workers watch it (see driver_watch)
     envs = (dict(os.environ), worker_fork.start()) if method == "forkserver" else None
     lc = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=n, run_id=str(uuid.uuid4()),
@@ -286,6 +344,9 @@ def launch_workers(cfg: DictConfig, run_dir: str) -> dict[str, Any]:
         logs_specs=DefaultLogsSpecs(log_dir=str(Path(run_dir) / "workers"), redirects=Std.NONE, tee=Std.NONE),
     )
     saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)}
+    exit_filter = _WorkerExitFilter()
+    elastic_log = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
+    elastic_log.addFilter(exit_filter)
     try:
         results = elastic_launch(lc, run_worker)(cfg_path, run_dir, envs)
     except SignalException as e:
@@ -301,9 +362,9 @@ def launch_workers(cfg: DictConfig, run_dir: str) -> dict[str, Any]:
         if user.exists():
             raise _user_error(user.read_text()) from None
         rank, failure = e.get_first_failure()
-        raise RuntimeError(f"worker rank {rank} failed (exit code {failure.exitcode}); see {run_dir}/logs/rank_{rank}.log "
-                           f"and {failure.error_file}") from e
+        raise _worker_failure(rank, failure, run_dir, int(cfg.launch.max_restarts)) from None
     finally:
+        elastic_log.removeFilter(exit_filter)
         for s, h in saved.items():
             signal.signal(s, h)
     return results[0]
@@ -348,6 +409,8 @@ def _run_job_locked(cfg: DictConfig, run_dir: str) -> dict[str, Any]:
     if restarts_note:
         print(f"[hyperpar] {restarts_note}", file=sys.stderr)
     if under_torchrun():
+        if int(os.environ.get("RANK", 0)) == 0:  # the run's outputs are rank 0's, as under our launcher
+            OmegaConf.save(cfg, Path(run_dir) / "config.yaml", resolve=True)
         return worker_main(cfg, run_dir)
     # A resumed run reuses its run dir: an error file of an earlier invocation must not be reported as this one's.
     (Path(run_dir) / USER_ERROR_FILE).unlink(missing_ok=True)

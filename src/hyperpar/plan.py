@@ -172,12 +172,28 @@ def make_plan(cfg: DictConfig, *, strict: bool = True) -> Plan:
             problems.append(str(e))
     if t.steps < 1:
         problems.append(f"train.steps={t.steps} must be >= 1")
+    from hyperpar.device import resolve_device
+
+    try:  # an unknown device, or one this host does not have, would stop the run before its first step
+        device_type = resolve_device(cfg.device).type
+    except ConfigError as e:
+        if strict:
+            raise
+        problems.append(str(e) + (f" ({e.hint})" if e.hint else ""))
+        device_type = None
     if strict and problems:
         raise PlanError(problems[0])
 
     meta = builder.build_meta()
     total = sum(p.numel() for p in meta.parameters())
-    split_names = _tp_split_names(meta, pdims, builder.spec, t) if pdims.tp > 1 else set()
+    try:
+        split_names = _tp_split_names(meta, pdims, builder.spec, t) if pdims.tp > 1 else set()
+    except ValueError as e:  # heads the tp plan cannot split: a dry run reports it (check_model named why)
+        if strict:
+            raise PlanError(str(e), hint="change the degrees or the model/batch sizes") from None
+        if not problems:  # else the degree checks above said it in their words
+            problems.append(str(e))
+        split_names = set()
     blocks = list(_block_sizes(meta, split_names, pdims.tp))
     largest = max(blocks, default=0)
     kept = pdims.fsdp_units_kept  # then a stage's units are all gathered at once
@@ -198,15 +214,14 @@ def make_plan(cfg: DictConfig, *, strict: bool = True) -> Plan:
         grad_accum=pdims.grad_accum_steps(t.global_batch_size, t.micro_batch_size), problems=problems,
         pp_setup=pp_job[0].describe() if pp_job and pp_job[0] else "",
         row_padding=_row_padding(pdims, t.seq_len), compile=bool(t.compile),
-        collectives=_collectives(cfg, pdims, unit * compute / mb, unit * reduce / mb),
+        collectives=_collectives(cfg, pdims, device_type, unit * compute / mb, unit * reduce / mb),
     )
 
 
-def _collectives(cfg: DictConfig, pdims: ParallelDims, unit_mb: float, unit_reduce_mb: float) -> str:
+def _collectives(cfg: DictConfig, pdims: ParallelDims, device_type: str | None, unit_mb: float,
+                 unit_reduce_mb: float) -> str:
     """CPU ranks sharding FSDP units: FSDP's all-gathers and reduce-scatters through /dev/shm or gloo."""
-    from hyperpar.device import resolve_device
-
-    if pdims.fsdp_size == 1 or resolve_device(cfg.device).type != "cpu":
+    if pdims.fsdp_size == 1 or device_type != "cpu":
         return ""
     if cfg.launch.cpu_collectives == "gloo":
         return "gloo for every collective (launch.cpu_collectives=gloo)"

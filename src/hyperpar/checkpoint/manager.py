@@ -34,7 +34,7 @@ from hyperpar.checkpoint import directory as d
 from hyperpar.checkpoint import integrity
 from hyperpar.checkpoint import state as st
 from hyperpar.checkpoint.preemption import fault_hook_disk_full, fault_hook_in_save
-from hyperpar.errors import CheckpointError, ConfigError, HyperparError
+from hyperpar.errors import CheckpointError, ConfigError, HyperparError, TrainingError
 
 log = logging.getLogger("hyperpar")
 
@@ -232,6 +232,7 @@ class Checkpointer:
     def save(self, trainer) -> Path:
         self.wait()
         step = trainer.step
+        self._refuse_non_finite(trainer, step)
         tmp = self.root / f"{d.step_name(step)}.tmp"
         tensors, optim_other = st.split_state(trainer.model_parts, trainer.optimizer)
         if getattr(trainer, "pipeline", None) is not None and _dist():
@@ -239,6 +240,29 @@ class Checkpointer:
             optim_other = {k: v for other in _gather(optim_other) for k, v in other.items()}
         with fault_hook_disk_full(step):
             return self._save(trainer, step, tmp, tensors, optim_other)
+
+    def _refuse_non_finite(self, trainer, step: int) -> None:
+        """The trainer checks the loss and gradient norm before each optimizer step, but the step itself can
+        overflow the weights (an lr spike: finite gradients, inf weights). Such a checkpoint used to be
+        saved, verified and resumed, failing again at once; now the save is refused and the previous
+        checkpoint stays the resume point. One isfinite pass over the local shards, one gather."""
+        from hyperpar.models.param_names import canonical_name
+
+        bad = []
+        for part in trainer.model_parts:
+            for name, p in part.named_parameters():
+                local = p.to_local() if hasattr(p, "to_local") else p
+                if local.numel() and not bool(torch.isfinite(local.detach()).all()):
+                    bad.append(canonical_name(name))
+        names = sorted({n for part in _gather(bad) for n in part}) if _dist() else sorted(set(bad))
+        if not names:
+            return
+        previous = d.newest_complete(self.root)
+        raise TrainingError(
+            f"parameters became non-finite in the optimizer step of step {step} ({len(names)} tensors, e.g. "
+            f"{', '.join(names[:3])}): checkpoint {d.step_name(step)} not saved",
+            hint=(f"{previous.name} stays the resume point; " if previous else "")
+            + "lower optim.lr, enable clipping (train.max_grad_norm) or use float32")
 
     def _save(self, trainer, step: int, tmp: Path, tensors: dict[str, Any], optim_other: dict[str, Any]) -> Path:
         import torch.distributed.checkpoint as dcp

@@ -186,8 +186,8 @@ class Trainer:
             flag = torch.tensor([1.0 if requested else 0.0], device=self.device)
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
             requested = bool(flag.item() > 0)
-        if requested:
-            return "preempted"
+        if requested:  # "stopped" for Ctrl-C on a rank that got it; a peer only knows that some rank did
+            return (self.preemption.reason if self.preemption is not None else None) or "preempted"
         if self.stop_after_steps is not None and self.stop_after_steps > 0 and self.step >= self.stop_after_steps:
             return "stop_after_steps"
         return None

@@ -81,7 +81,7 @@ def build_megatron(options: dict, ctx: DataContext) -> Any:
         seq_len=ctx.seq_len, num_samples=ctx.num_samples, seed=ctx.seed, eod_token_id=eod,
         cache_dir=os.path.expanduser(str(cache_dir)) if cache_dir else None,
         split=str(extra["split"]) if extra.get("split") is not None else None, index_split=split,
-        blend_schedule=schedule, **flags)
+        blend_schedule=schedule, vocab_size=ctx.vocab_size, **flags)
     if len(source) < ctx.num_samples:
         raise DataError(f"the Megatron data gives {len(source)} samples but the run needs {ctx.num_samples}",
                         hint="more data, fewer train.steps or a smaller global batch")

@@ -36,9 +36,11 @@ class MegatronSource:
                  num_samples: int | None, seed: int = 1234, eod_token_id: int | None = None,
                  reset_position_ids: bool = False, reset_attention_mask: bool = False,
                  eod_mask_loss: bool = False, cache_dir: str | None = None, split: str | None = None,
-                 index_split: str = "train", blend_schedule: str = "bounded") -> None:
+                 index_split: str = "train", blend_schedule: str = "bounded", vocab_size: int | None = None) -> None:
         if (prefix is None) == (blend is None):
             raise DataError("give exactly one of data prefix or blend")
+        self.vocab_size = vocab_size  # ids at or above it would index past the embedding (checked per sample)
+        self._name = prefix if prefix is not None else blend
         self.blend_schedule = check_schedule(blend_schedule)
         self.config = GPTDatasetConfig(
             random_seed=seed, sequence_length=seq_len, split=split, path_to_cache=cache_dir,
@@ -62,6 +64,8 @@ class MegatronSource:
         if not 0 <= i < self._len:
             raise IndexError(f"sample {index} out of range for {self._len} samples")
         s = self.dataset.sample(i)
+        if self.vocab_size is not None:
+            self._check_ids(i, s["tokens"], s["labels"][s["loss_mask"] > 0])
         labels = np.where(s["loss_mask"] > 0, s["labels"], IGNORE_INDEX)
         positions = s["position_ids"]
         if self.config.reset_attention_mask and not self.config.reset_position_ids:
@@ -71,6 +75,18 @@ class MegatronSource:
             "labels": torch.from_numpy(labels),
             "position_ids": torch.from_numpy(positions),
         }
+
+    def _check_ids(self, index: int, *arrays: np.ndarray) -> None:
+        """A token id the model has no row for (a corpus tokenized with a larger vocabulary, or a damaged
+        .bin) is a data error naming the corpus and sample, not an IndexError (or a device assert) in the
+        embedding at whichever step first reads it. One max/min over seq_len ids per sample."""
+        for ids in arrays:
+            if ids.size and (int(ids.max()) >= self.vocab_size or int(ids.min()) < 0):
+                bad = int(ids.max()) if int(ids.max()) >= self.vocab_size else int(ids.min())
+                raise DataError(f"the Megatron data {self._name}: sample {index} holds token id {bad}, outside the "
+                                f"model's vocabulary of {self.vocab_size} ids",
+                                hint="tokenize the corpus with the model's tokenizer (python -m "
+                                     "hyperpar.data.megatron.convert --tokenizer ...), or check the .bin for damage")
 
 
 def document_positions(tokens: np.ndarray, eod: int | None) -> np.ndarray:

@@ -116,8 +116,9 @@ class Qwen3_5MoeMTP(nn.Module):
 class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
     """``forward(input_ids, position_ids=None, attention_mask=None) -> ModelOutput``.
 
-    attention_mask (B, S), 1 = real token, only removes padding from the router statistics:
-    padding must be on the right (causal layers never let it reach a real token). Without an
+    As the dense model's: packed documents (positions restarting at 0) and attention_mask (B, S),
+    1 = real token, padding on either side, kept apart from real tokens; padding is also left out of
+    the router statistics. Without an
     ``lm_head`` (a pipeline stage) forward returns the hidden states like the dense model.
     """
 
