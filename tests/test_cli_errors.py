@@ -100,3 +100,14 @@ def test_dry_run_rejects_a_device_the_run_would_refuse(tmp_path):
         with pytest.raises(ConfigError, match=why):
             make_plan(cfg, strict=True)
     assert make_plan(OmegaConf.merge(compose_cfg(["device=cpu", "parallel=fsdp2"]), {"run_dir": str(tmp_path)})).ok
+
+
+def test_float16_warns_that_there_is_no_loss_scaling(capsys, monkeypatch):
+    from helpers import compose_cfg
+    from hyperpar.config import check_values
+
+    monkeypatch.delenv("RANK", raising=False)
+    check_values(compose_cfg(["train.mixed_precision.param_dtype=float16"]))
+    assert "no loss scaling" in capsys.readouterr().err
+    check_values(compose_cfg(["train.mixed_precision.param_dtype=bfloat16"]))
+    assert "loss scaling" not in capsys.readouterr().err

@@ -379,7 +379,7 @@ EFFECTS: dict[str, Effect] = {
     # the run: tests/test_shm_collectives.py (and every multi-rank FSDP test, shm being the default)
     "launch.cpu_collectives": Effect("plan", ["launch.cpu_collectives=gloo"], ["parallel=fsdp2"]),
     "launch.cpu_gemm": Effect("run", ["launch.cpu_gemm=onednn"], ["launch.cpu_gemm=blas"],
-                              view=in_log("fp32 linears run through oneDNN")),
+                              view=in_log("run through oneDNN")),
     # parity: read by the report callback of +experiment=parity (tests/test_parity_report.py); refused without it
     "parity.enabled": refused("parity", ["parity.enabled=true"], "parity.enabled"),
     "parity.tolerance_mean": refused("parity", ["parity.tolerance_mean=0.1"], "parity.tolerance_mean"),

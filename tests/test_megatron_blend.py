@@ -280,7 +280,8 @@ def test_hydra_megatron_blend_defaults_to_bounded(corpora: list[str]) -> None:
     from hydra.utils import instantiate
 
     blend = f"[{{weight:0.7,prefix:'{corpora[0]}'}},{{weight:0.3,prefix:'{corpora[2]}'}}]"
-    ctx = DataContext(seq_len=16, seed=9, num_samples=64, vocab_size=2048)
+    # the corpora's ids name their corpus (up to ~300000): a vocabulary that holds them (ids are checked)
+    ctx = DataContext(seq_len=16, seed=9, num_samples=64, vocab_size=300_000)
     cfg = compose_cfg(["data=megatron", f"data.blend={blend}"])
     assert cfg.data.extra.blend_schedule == "bounded"
     src = instantiate(cfg.data, _partial_=True, _convert_="all")(context=ctx)  # as launch.py does

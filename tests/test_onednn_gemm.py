@@ -122,7 +122,8 @@ def test_other_dtypes_and_blas_keep_f_linear(policy):
     assert onednn_gemm.describe() is None
     policy("onednn")
     assert onednn_gemm.applies(torch.randn(2, 16), torch.randn(8, 16), None)
-    assert "oneDNN" in onednn_gemm.describe()
+    assert "oneDNN" in onednn_gemm.describe() and "tensor-parallel" not in onednn_gemm.describe()
+    assert "tensor-parallel ones excepted" in onednn_gemm.describe(tensor_parallel=True)  # DTensor linears stay on F.linear
 
 
 @pytest.mark.parametrize("vendor,capability,expect", [

@@ -295,6 +295,10 @@ def check_values(cfg: DictConfig, *, warn: bool = True) -> DictConfig:
             raise ConfigError(f"{key}={value} must be {what}")
     if warn and OmegaConf.select(cfg, "optim.lr", default=None) == 0 and int(os.environ.get("RANK", 0)) == 0:
         print("[hyperpar] warning: optim.lr=0: the weights will not change", file=sys.stderr)
+    if warn and str(OmegaConf.select(cfg, "train.mixed_precision.param_dtype", default="")) in ("float16", "fp16") \
+            and int(os.environ.get("RANK", 0)) == 0:
+        print("[hyperpar] warning: param_dtype=float16 has no loss scaling here: small gradients underflow to "
+              "zero; bfloat16 keeps fp32's range", file=sys.stderr)
     return cfg
 
 

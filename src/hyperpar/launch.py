@@ -108,7 +108,7 @@ def worker_main(cfg: DictConfig, run_dir: str) -> dict[str, Any]:
         if cfg.launch.flush_denormals and denormals.flush_denormals(True, quiet=True) and denormals.flushing():
             cpu_facts.append("subnormal floats flush to zero (launch.flush_denormals)")
         cpu_facts += [fact for fact in (cpu_matmul.describe(dtype_of(cfg.train.mixed_precision.param_dtype)),
-                                        onednn_gemm.describe()) if fact]
+                                        onednn_gemm.describe(int(cfg.parallel.tp) > 1)) if fact]
         if cpu_facts:
             log.info("CPU: %s", "; ".join(cpu_facts))
     dev.set_device(local_rank)

@@ -82,12 +82,14 @@ def uses_onednn() -> bool:
     return _active
 
 
-def describe() -> str | None:
-    """A clause of the launcher's CPU line when fp32 CPU linears run through oneDNN, else None."""
+def describe(tensor_parallel: bool = False) -> str | None:
+    """A clause of the launcher's CPU line when fp32 CPU linears run through oneDNN, else None.
+    Tensor-parallel linears (DTensor) and small GEMMs stay on ``F.linear``: the line says so."""
     if not uses_onednn():
         return None
     why = "MKL runs its AVX2 kernels on this AMD CPU with AVX-512" if _policy == "auto" else "cpu_gemm=onednn"
-    return f"{why}: fp32 linears run through oneDNN's GEMM (launch.cpu_gemm)"
+    which = "fp32 linears of at least 8M multiply-adds" + (", tensor-parallel ones excepted," if tensor_parallel else "")
+    return f"{why}: {which} run through oneDNN's GEMM (launch.cpu_gemm)"
 
 
 # A custom op of our own: inductor (train.compile) keeps it as one opaque kernel call, where it would
