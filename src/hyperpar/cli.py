@@ -59,18 +59,18 @@ def _job_label(overrides: list[str]) -> str:
 
 
 def _last_step(run_dir: str) -> int | None:
-    """The last step a failed run did (``metrics.jsonl``'s last record; rank 0 writes one per step)."""
-    import json
+    """The last step a failed run did: ``metrics.jsonl``'s last record (rank 0 writes one per step), not
+    its largest step (a resumed run that failed early wrote below its file's end)."""
+    from hyperpar.train.metrics import parse_record
 
     try:
         lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
     except OSError:
         return None
     for line in reversed(lines):
-        try:
-            return int(json.loads(line)["step"])
-        except (ValueError, KeyError, TypeError):
-            continue  # a line cut short by the crash
+        rec = parse_record(line)  # None for a line cut short by the crash
+        if rec is not None:
+            return int(rec["step"])
     return None
 
 

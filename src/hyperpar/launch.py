@@ -183,8 +183,7 @@ def worker_main(cfg: DictConfig, run_dir: str) -> dict[str, Any]:
         # Which signal stopped the loop: SIGTERM = preempted, Ctrl-C = stopped (the driver's status).
         return {"rank": rank, **result, **({"stop_reason": preemption.reason} if preemption.reason else {})}
     except HyperparError as e:
-        if rank == 0 or not (Path(run_dir) / USER_ERROR_FILE).exists():
-            (Path(run_dir) / USER_ERROR_FILE).write_text(e.one_line() + "\n")
+        _record_user_error(run_dir, e.one_line(), overwrite=rank == 0)
         raise
     finally:
         preemption.restore()
@@ -195,6 +194,18 @@ def worker_main(cfg: DictConfig, run_dir: str) -> dict[str, Any]:
         shm_collectives.release()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _record_user_error(run_dir: str, line: str, *, overwrite: bool) -> None:
+    """Leave a worker's user error for the driver, which reports it once (USER_ERROR_FILE). Rank 0's
+    error wins (``overwrite``); another rank's is kept only if no rank wrote one first."""
+    path = Path(run_dir) / USER_ERROR_FILE
+    if not overwrite and path.exists():
+        return
+    try:
+        path.write_text(line + "\n")
+    except OSError:
+        print(line, file=sys.stderr)  # the run dir is gone: say it here
 
 
 def run_worker(cfg_path: str, run_dir: str, envs: tuple[dict, dict] | None = None) -> dict[str, Any]:
@@ -213,12 +224,7 @@ def run_worker(cfg_path: str, run_dir: str, envs: tuple[dict, dict] | None = Non
         # one line N + 1. The rank's log keeps it. worker_main writes the file for errors of its job;
         # one raised before (the device, the process group) is written here.
         _log_to_rank_file(e.one_line())
-        user = Path(run_dir) / USER_ERROR_FILE
-        if not user.exists():
-            try:
-                user.write_text(e.one_line() + "\n")
-            except OSError:
-                print(e.one_line(), file=sys.stderr)  # the run dir is gone: say it here
+        _record_user_error(run_dir, e.one_line(), overwrite=False)
         sys.exit(2)
     except Exception as e:
         if _peer_lost(e):

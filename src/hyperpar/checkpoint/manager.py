@@ -248,12 +248,14 @@ class Checkpointer:
         checkpoint stays the resume point. One isfinite pass over the local shards, one gather."""
         from hyperpar.models.param_names import canonical_name
 
+        named = [(name, p.to_local() if hasattr(p, "to_local") else p)
+                 for part in trainer.model_parts for name, p in part.named_parameters()]
+        named = [(name, local) for name, local in named if local.numel()]
         bad = []
-        for part in trainer.model_parts:
-            for name, p in part.named_parameters():
-                local = p.to_local() if hasattr(p, "to_local") else p
-                if local.numel() and not bool(torch.isfinite(local.detach()).all()):
-                    bad.append(canonical_name(name))
+        if named:
+            # one flag per tensor stacked into one vector: one host sync per save on an accelerator
+            finite = torch.stack([torch.isfinite(local.detach()).all() for _, local in named]).tolist()
+            bad = [canonical_name(name) for (name, _), ok in zip(named, finite) if not ok]
         names = sorted({n for part in _gather(bad) for n in part}) if _dist() else sorted(set(bad))
         if not names:
             return

@@ -15,6 +15,7 @@ from typing import Any
 import yaml
 
 from hyperpar.errors import HyperparError
+from hyperpar.train.metrics import parse_record
 
 # Any of these marks a directory as a job's run dir. A job that crashed before its first step
 # has no metrics.jsonl, and one that crashed hard has no result.json either, yet it must still
@@ -78,16 +79,13 @@ def read_metrics(path: Path) -> tuple[dict[int, dict[str, Any]], int]:
             line = line.strip()
             if not line:
                 continue
-            try:
-                rec = json.loads(line)
-                step = rec["step"]
-                if isinstance(step, bool) or not isinstance(step, (int, float)) or step != int(step):
-                    raise ValueError(step)
-            except (ValueError, KeyError, TypeError):
+            rec = parse_record(line)
+            if rec is None:
                 skipped += 1
                 continue
-            by_step.pop(int(step), None)  # re-insert so a repeated step takes its new value
-            by_step[int(step)] = rec
+            step = int(rec["step"])
+            by_step.pop(step, None)  # re-insert so a repeated step takes its new value
+            by_step[step] = rec
     return dict(sorted(by_step.items())), skipped
 
 

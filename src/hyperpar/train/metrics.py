@@ -16,6 +16,19 @@ from hyperpar.errors import ConfigError
 log = logging.getLogger("hyperpar")
 
 
+def parse_record(line: str) -> dict[str, Any] | None:
+    """One metrics.jsonl line as its record, or None for a line that is not one (empty, or cut short by
+    a crash): a record is a JSON object whose ``step`` is a whole number."""
+    try:
+        rec = json.loads(line)
+        step = rec["step"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    if isinstance(step, bool) or not isinstance(step, (int, float)) or step != int(step):
+        return None
+    return rec
+
+
 def setup_rank_logging(run_dir: str | Path, rank: int, *, console: bool) -> None:
     """logs/rank_<r>.log for every rank; the console only for rank 0 (other ranks stay quiet)."""
     logs = Path(run_dir) / "logs"
