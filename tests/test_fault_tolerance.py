@@ -199,11 +199,13 @@ def _error_lines(res: subprocess.CompletedProcess) -> list[str]:
 @pytest.mark.slow
 def test_worker_errors_are_one_line_under_the_launcher(tmp_path):
     """A user error raised in the workers (here a non-finite loss) was printed by every rank and the driver, after
-    a dozen lines of the launcher's traceback; a worker killed by a signal ended in a 60-line traceback (exit 1)."""
-    res = cli_small(tmp_path / "nan", ["parallel=fsdp2", "optim.lr=1e30", "optim.warmup_steps=0"])
+    a dozen lines of the launcher's traceback; a worker killed by a signal ended in a 60-line traceback (exit 1).
+    A user error is not retried by launch.max_restarts: each restart used to redo the steps and fail the same way."""
+    res = cli_small(tmp_path / "nan", ["parallel=fsdp2", "optim.lr=1e30", "optim.warmup_steps=0", "launch.max_restarts=2"])
     assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr[-3000:]
     assert _error_lines(res) == ["training error: non-finite loss at step 2: loss=nan, grad_norm=nan (hint: lower "
                                  "optim.lr, enable clipping (train.max_grad_norm) or use float32)"], res.stderr[-3000:]
+    assert steps_logged(tmp_path / "nan") == [1]  # step 1 once: the restarts exited at once
     res = cli_small(tmp_path / "kill", ["parallel=fsdp2"], env={"HYPERPAR_TEST_KILL_AT_STEP": "2"})
     assert res.returncode == 1 and "Traceback" not in res.stderr, res.stderr[-3000:]
     lines = _error_lines(res)

@@ -215,6 +215,11 @@ def run_worker(cfg_path: str, run_dir: str, envs: tuple[dict, dict] | None = Non
     if envs is not None:
         worker_fork.adopt_driver_env(*envs)
     os.environ["HYPERPAR_WORKER"] = "1"
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 and (Path(run_dir) / USER_ERROR_FILE).exists():
+        # The attempt before stopped on a user error (bad data or config, a non-finite loss): a restart
+        # resumes the same checkpoint with the same data and meets it again, after redoing every step
+        # since. Restarts are for crashes; this attempt exits at once and the driver reports that error.
+        sys.exit(2)
     driver_watch.watch_driver_from_env()  # a driver that dies (kill -9, OOM) stops its workers
     cfg = OmegaConf.load(cfg_path)
     try:
