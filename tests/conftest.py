@@ -26,3 +26,21 @@ def tiny_hf_dir(tmp_path):
         return d
 
     return make
+
+
+@pytest.fixture
+def hyperpar_log():
+    """What the ``hyperpar`` logger said during the test (it does not propagate to pytest's caplog)."""
+    import logging
+
+    lines: list[str] = []
+
+    class _Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(record.getMessage())
+
+    handler = _Keep(level=logging.INFO)
+    logger = logging.getLogger("hyperpar")
+    logger.addHandler(handler)
+    yield lines
+    logger.removeHandler(handler)

@@ -74,6 +74,34 @@ def test_ep_model_errors(geometry, message):
         pd.check_model(geometry, global_batch_size=4, micro_batch_size=1)
 
 
+def test_ep_on_a_model_whose_layers_are_all_dense_is_a_plan_error():
+    """Qwen3-VL-MoE with every layer in mlp_only_layers has num_experts in its config but no MoE block: the
+    plan passed ep 2 and every worker crashed with a traceback."""
+    from hyperpar.distributed.parallel_dims import ParallelDims
+    from hyperpar.errors import PlanError
+    from hyperpar.models.build import ModelBuilder
+
+    layers = ModelBuilder("qwen3_vl_moe").geometry()["num_hidden_layers"]
+    geometry = ModelBuilder("qwen3_vl_moe", overrides={"mlp_only_layers": list(range(layers))}).geometry()
+    assert geometry["num_experts"] == 0
+    with pytest.raises(PlanError, match="parallel.ep=2 but the model has no experts"):
+        ParallelDims(world_size=2, dp_shard=2, ep=2).check_model(geometry, global_batch_size=2, micro_batch_size=1)
+    assert ModelBuilder("qwen3_vl_moe", overrides={"mlp_only_layers": [0]}).geometry()["num_experts"] == 8
+
+
+def test_a_pipeline_stage_without_moe_blocks_is_left_as_it_is():
+    """ep 2 x pp 2 on Qwen3-VL-MoE with mlp_only_layers=[0, 1]: stage 0 holds dense layers only and its workers
+    crashed ('parallel.ep > 1 on a model without routed experts'); it has nothing to split (trained by hand:
+    per-step loss equal to single's)."""
+    from types import SimpleNamespace
+
+    from hyperpar.distributed.expert_parallel import apply_expert_parallel
+
+    stage = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    dims = SimpleNamespace(ep=2, ep_mesh=lambda: None)
+    assert apply_expert_parallel(stage, dims) is stage
+
+
 # ---- two processes: one MoE block under ep 2 equals the block on one process ----------------------------
 
 

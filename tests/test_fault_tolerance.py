@@ -172,16 +172,16 @@ def test_launcher_failure_record_is_one_line_or_dropped():
     """torch's elastic launcher logs a failed worker with a traceback of its own polling code."""
     import logging
 
-    from torch.multiprocessing.spawn import ProcessExitedException
+    from torch.multiprocessing.spawn import ProcessExitedException, ProcessRaisedException
 
     from hyperpar.launch import _WorkerExitFilter
 
     def record(exc):
         try:
             raise exc
-        except ProcessExitedException:
+        except (ProcessExitedException, ProcessRaisedException):
             return logging.LogRecord("torch", logging.ERROR, "api.py", 836, "failed (exitcode: %s) local_rank: %s",
-                                     (exc.exit_code, exc.error_index), sys.exc_info())
+                                     (getattr(exc, "exit_code", 1), exc.error_index), sys.exc_info())
 
     f = _WorkerExitFilter()
     user = record(ProcessExitedException("process 0 terminated with exit code 2", error_index=0, error_pid=1, exit_code=2))
@@ -190,6 +190,12 @@ def test_launcher_failure_record_is_one_line_or_dropped():
                                            exit_code=-9, signal_name="SIGKILL"))
     assert f.filter(killed) and killed.exc_info is None
     assert killed.getMessage() == "failed (exitcode: -9) local_rank: 1: process 1 terminated with signal SIGKILL"
+    # a worker that raised: its own traceback stays (it was cut to torch's header line, and the driver's one line
+    # said "its traceback is above")
+    trace = "Traceback (most recent call last):\n  File \"x.py\", line 1, in f\nValueError: a bug"
+    raised = record(ProcessRaisedException(f"\n\n-- Process 0 terminated with the following error:\n{trace}", 0, 1))
+    assert f.filter(raised) and raised.exc_info is None
+    assert raised.getMessage().endswith(f"-- Process 0 terminated with the following error:\n{trace}")
 
 
 def _error_lines(res: subprocess.CompletedProcess) -> list[str]:

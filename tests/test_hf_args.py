@@ -21,8 +21,8 @@ from hyperpar.models.vision import VisionArgs
 transformers = pytest.importorskip("transformers")
 
 ALL = [(f"{type(a).__name__}:{name}", a) for table in (DENSE, DENSE_VL, MOE, MOE_VL, VL_MOE) for name, a in table.items()]
-# Entries transformers' classes do not have: ours, kept for inference engines (MTP depth) and for us.
-OURS_ONLY = {"mtp_num_hidden_layers", "norm_topk_prob"}
+# Entries transformers' classes do not have: ours, kept for inference engines (MTP depth).
+OURS_ONLY = {"mtp_num_hidden_layers"}
 
 
 def _classes(args):
@@ -84,3 +84,17 @@ def test_fixed_entries_are_written_and_checked() -> None:
     with pytest.raises(ConfigError, match="attention_dropout 0.1 is not supported"):
         Qwen3_5Args.from_hf_config({**cfg, "attention_dropout": 0.1})
     assert Qwen3_5Args.from_hf_config({**cfg, "attention_dropout": None}) == DENSE["debug"]
+
+
+@pytest.mark.parametrize("family", ["moe", "moe_vl", "vl_moe"])
+def test_norm_topk_prob_false_is_ignored_as_transformers_does(family: str, hyperpar_log) -> None:
+    """transformers' Qwen3.5-MoE and Qwen3-VL-MoE always renormalise the top-k weights and ignore the key; we read
+    it and skipped the renormalisation, so such a checkpoint's logits differed from transformers' by ~5e-2."""
+    args = {"moe": MOE, "moe_vl": MOE_VL, "vl_moe": VL_MOE}[family]
+    args = next(iter(args.values()))
+    config = args.to_hf_config()
+    text = config.get("text_config", config)
+    assert "norm_topk_prob" not in text  # not written: transformers' classes have no such field
+    text["norm_topk_prob"] = False
+    assert type(args).from_hf_config(config) == args
+    assert any("norm_topk_prob=false is ignored" in line for line in hyperpar_log)

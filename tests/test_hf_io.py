@@ -209,18 +209,48 @@ def test_errors(tmp_path: Path) -> None:
     _one_line(e.value)
 
 
-def test_transformers_moe_save_without_mtp_weights_names_the_override(tmp_path: Path) -> None:
-    """transformers' save_pretrained of a Qwen3.5-MoE keeps mtp_num_hidden_layers in config.json
-    but writes no mtp.* tensors: the error points at the override that builds the model without MTP,
-    and that override loads it."""
+def test_transformers_moe_save_without_mtp_weights_loads_without_mtp(tmp_path: Path, hyperpar_log) -> None:
+    """transformers' save_pretrained of a Qwen3.5-MoE keeps mtp_num_hidden_layers in config.json but writes no
+    mtp.* tensors (transformers does not model MTP): such a checkpoint loads as transformers loads it, without
+    the MTP module, said in one line; it was refused. Training MTP on it (mtp_loss_weight > 0) is refused
+    naming the missing tensors."""
     from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
 
     from fixtures import qwen3_5_moe
     from hyperpar.models.build import ModelBuilder
 
     d = tmp_path / "hf"
-    Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**qwen3_5_moe(mtp_num_hidden_layers=1))).save_pretrained(d)
+    hf = Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**qwen3_5_moe(mtp_num_hidden_layers=1))).eval()
+    hf.save_pretrained(d)
+    model = ModelBuilder(name="qwen3_5_moe", hf_path=str(d)).build_meta()
+    assert getattr(model, "mtp", None) is None
+    assert any("no mtp.* tensors" in line for line in hyperpar_log), hyperpar_log
+    with torch.no_grad():
+        assert (from_hf(d)(IDS).logits - hf(input_ids=IDS, use_cache=False).logits).abs().max().item() <= 1e-5
     with pytest.raises(CheckpointError, match=r"missing \d+: mtp\.") as e:
-        ModelBuilder(name="qwen3_5_moe", hf_path=str(d)).build_meta()
-    assert "model.overrides.mtp_num_hidden_layers=0" in _one_line(e.value)
-    ModelBuilder(name="qwen3_5_moe", hf_path=str(d), overrides={"mtp_num_hidden_layers": 0}).build_meta()
+        ModelBuilder(name="qwen3_5_moe", hf_path=str(d), mtp_loss_weight=0.3).build_meta()
+    assert "model.mtp_loss_weight=0" in _one_line(e.value)
+
+
+def test_zero_width_shared_expert_and_dense_mtp_tensors_load_as_in_transformers(tmp_path: Path, hyperpar_log) -> None:
+    """shared_expert_intermediate_size 0: transformers writes empty shared_expert.* tensors and a gate that scales
+    zeros; a dense checkpoint may carry released mtp.* tensors that transformers ignores. Both were refused as
+    unused tensors (model.allow_unused_weights=true was needed); they load, said in one line, logits as HF's."""
+    from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+
+    from fixtures import qwen3_5_moe
+
+    d = tmp_path / "moe"
+    hf = Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**qwen3_5_moe(shared_expert_intermediate_size=0))).eval()
+    hf.save_pretrained(d)
+    assert any(".shared_expert." in k for k in load_file(d / "model.safetensors"))
+    with torch.no_grad():
+        assert (from_hf(d)(IDS).logits - hf(input_ids=IDS, use_cache=False).logits).abs().max().item() <= 1e-5
+    assert any("zero-width shared expert" in line for line in hyperpar_log), hyperpar_log
+
+    dense, _ = hf_model_dir(tmp_path / "dense", tied=False)
+    sd = load_file(dense / "model.safetensors")
+    sd["mtp.fc.weight"] = torch.zeros(4, 8)
+    save_file(sd, dense / "model.safetensors", metadata={"format": "pt"})
+    from_hf(dense)
+    assert any("the MTP module" in line for line in hyperpar_log), hyperpar_log

@@ -53,24 +53,6 @@ def corrupt(path: Path, offset: int = 65536, n: int = 4096) -> None:
         f.write(b"\xff" * n)
 
 
-@pytest.fixture
-def hyperpar_log():
-    """What the ``hyperpar`` logger said during the test (it does not propagate to pytest's caplog)."""
-    import logging
-
-    lines: list[str] = []
-
-    class _Keep(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            lines.append(record.getMessage())
-
-    handler = _Keep(level=logging.INFO)
-    logger = logging.getLogger("hyperpar")
-    logger.addHandler(handler)
-    yield lines
-    logger.removeHandler(handler)
-
-
 def ckpt(run: Path, step: int) -> Path:
     return run / "checkpoints" / f"step_{step}"
 

@@ -232,6 +232,11 @@ def run_worker(cfg_path: str, run_dir: str, envs: tuple[dict, dict] | None = Non
         _record_user_error(run_dir, e.one_line(), overwrite=False)
         sys.exit(2)
     except Exception as e:
+        import traceback
+
+        # A bug's traceback goes to the rank's log (the driver's one line points there); the launcher
+        # prints it once on the console (see _WorkerExitFilter).
+        _log_to_rank_file(traceback.format_exc().rstrip())
         if _peer_lost(e):
             # A rank that died (killed, out of memory) breaks its peers' next collective at once. The
             # launcher reports the first failed rank it finds: this one waits a moment before it
@@ -282,9 +287,10 @@ def _log_to_rank_file(line: str) -> None:
 
 class _WorkerExitFilter(logging.Filter):
     """The elastic launcher logs a failed worker with the traceback of its own polling code (torch's
-    spawn internals, a dozen lines). Keep one line: a worker that exited 2 stopped on a user error
-    that the driver reports itself (dropped); any other exit (a signal, a crash) keeps its line with
-    the exception's words (``process 1 terminated with signal SIGKILL``)."""
+    spawn internals, a dozen lines). Drop that: a worker that exited 2 stopped on a user error that
+    the driver reports itself (dropped); a worker killed by a signal keeps one line with the
+    exception's words (``process 1 terminated with signal SIGKILL``); a worker that raised keeps its
+    own traceback, which the exception carries (the driver's one line says it is above)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         exc = record.exc_info[1] if record.exc_info else None
@@ -292,8 +298,10 @@ class _WorkerExitFilter(logging.Filter):
             return True
         if getattr(exc, "exit_code", None) == 2:
             return False
-        first = str(exc).strip().splitlines()
-        record.msg = f"{record.getMessage()}: {first[0] if first else type(exc).__name__}"
+        words = str(exc).strip()
+        if type(exc).__name__ == "ProcessExitedException" or not words:
+            words = words.splitlines()[0] if words else type(exc).__name__
+        record.msg = f"{record.getMessage()}: {words}"
         record.args = None
         record.exc_info = record.exc_text = None
         return True

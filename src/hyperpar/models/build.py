@@ -110,6 +110,13 @@ class ModelBuilder:
             check_applied(self.args, self.overrides)
         if mtp_loss_weight and hasattr(self.args, "mtp_loss_weight"):
             self.args = dataclasses.replace(self.args, mtp_loss_weight=mtp_loss_weight)
+        self.fit_notes: list[str] = []  # what fit_to_checkpoint changed, logged when the model is built
+        if self.load_weights:
+            from hyperpar.models.hf_io import HFCheckpoint, fit_to_checkpoint
+
+            with HFCheckpoint(hf_path) as ckpt:
+                self.args, fit_left_out, self.fit_notes = fit_to_checkpoint(self.args, ckpt.keys())
+            self.left_out += fit_left_out
 
     def _check_text_only(self) -> list[tuple[str, str]]:
         """A VL checkpoint loads into a text model only when asked (model.text_only=true); returns
@@ -142,6 +149,8 @@ class ModelBuilder:
                     "shared_expert_intermediate_size"):
             out[key] = int(getattr(text, key, 0) or 0)
         is_moe = getattr(text, "is_moe_layer", None)
+        if out["num_experts"] and is_moe is not None and not any(is_moe(i) for i in range(out["num_hidden_layers"])):
+            out["num_experts"] = 0  # mlp_only_layers / decoder_sparse_step leave no MoE block: no experts to split
         if out["num_experts"] and (is_moe is None or all(is_moe(i) for i in range(out["num_hidden_layers"]))):
             out["intermediate_size"] = 0  # every FFN is a MoE block: the dense size is unused
         vision = getattr(a, "vision", None)
@@ -161,6 +170,8 @@ class ModelBuilder:
         if self.load_weights:
             from hyperpar.models.hf_io import HFCheckpoint, audit_checkpoint
 
+            for line in self.fit_notes:
+                log.warning("'%s': %s", self.hf_path, line)
             with HFCheckpoint(self.hf_path) as ckpt:
                 note = audit_checkpoint(model, self.spec.adapter(self.args), ckpt, left_out=self.left_out,
                                         allow_unused=self.allow_unused_weights)

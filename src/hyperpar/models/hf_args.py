@@ -9,6 +9,7 @@ every family from the same two functions.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -17,6 +18,16 @@ from hyperpar.errors import ConfigError
 _MISSING = dataclasses.MISSING
 _DATACLASS_DEFAULT: Any = type("DataclassDefault", (), {"__repr__": lambda self: "<the dataclass default>"})()
 ROPE = "rope_parameters"
+log = logging.getLogger("hyperpar")
+
+
+def note_router_renormalises(text: dict[str, Any], family: str) -> None:
+    """transformers' Qwen3.5-MoE and Qwen3-VL-MoE always renormalise the top-k router weights and ignore
+    a config's ``norm_topk_prob``; so do we, so that a checkpoint computes the same here and there (and
+    an export reloads to the same logits). A config that says false is told so once."""
+    if text.get("norm_topk_prob") is False:
+        log.warning("%s config.json: norm_topk_prob=false is ignored: the top-k router weights are renormalised, "
+                    "as transformers' %s does", family, family)
 
 
 @dataclass(frozen=True)

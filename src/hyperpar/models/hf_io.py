@@ -175,8 +175,9 @@ def check_checkpoint(model: nn.Module, adapter: Any, ckpt: HFCheckpoint) -> set[
             parts.append(f"wrong shape {len(wrong)}: {_list(wrong)}")
         hint = "is config.json from the same checkpoint as the weights?"
         if missing and not wrong and all(n.startswith("mtp.") for n in missing):
-            # transformers' save_pretrained keeps mtp_num_hidden_layers in config.json but drops mtp.*
-            hint = "the checkpoint has no MTP weights: +model.overrides.mtp_num_hidden_layers=0 builds the model without them"
+            # transformers' save_pretrained keeps mtp_num_hidden_layers in config.json but drops mtp.*;
+            # fit_to_checkpoint builds without them unless model.mtp_loss_weight trains them
+            hint = "the checkpoint has no MTP weights to train: model.mtp_loss_weight=0 builds the model without them"
         raise CheckpointError(f"'{ckpt.path}' does not match the model config: {'; '.join(parts)}", hint=hint)
     return used
 
@@ -218,6 +219,37 @@ def audit_checkpoint(
         return None
     parts = ", ".join(f"{label} ({len(keys)} tensors)" for label, keys in groups.items())
     return f"'{ckpt.path}': left out {len(unused)} of {len(ckpt.keys())} checkpoint tensors: {parts}"
+
+
+def fit_to_checkpoint(args: Any, keys: Sequence[str]) -> tuple[Any, list[tuple[str, str]], list[str]]:
+    """What a checkpoint holds, or lacks, beside what its config.json describes, read as transformers
+    reads it. Returns (args, left-out (key prefix, what) pairs for ``audit_checkpoint``, notes to log).
+
+    - ``mtp.*``: released checkpoints carry a multi-token-prediction module that transformers does
+      not model: it ignores those tensors, and its ``save_pretrained`` writes none while config.json
+      keeps ``mtp_num_hidden_layers``. A family without MTP leaves them out; a family with MTP whose
+      checkpoint has none is built without it, unless ``mtp_loss_weight`` trains it (then the
+      tensors are reported missing).
+    - a zero-width shared expert (``shared_expert_intermediate_size: 0``): transformers writes its
+      empty projections and a gate that scales zeros; there is nothing to load.
+    """
+    text = getattr(args, "text", args)
+    left_out: list[tuple[str, str]] = []
+    notes: list[str] = []
+    has_mtp = any(k.startswith("mtp.") for k in keys)
+    if not hasattr(text, "mtp_num_hidden_layers"):
+        if has_mtp:
+            left_out.append(("mtp.", "the MTP module (not part of this family, nor of transformers' model)"))
+    elif text.mtp_num_hidden_layers > 0 and not has_mtp and not text.mtp_loss_weight:
+        notes.append(f"config.json says mtp_num_hidden_layers={text.mtp_num_hidden_layers} but the checkpoint has no "
+                     "mtp.* tensors (transformers' save_pretrained writes none): built without the MTP module")
+        text = dataclasses.replace(text, mtp_num_hidden_layers=0)
+        args = args.replace(text=text) if text is not args and hasattr(args, "text") else text
+    if getattr(text, "shared_expert_intermediate_size", None) == 0:
+        cut = ".mlp.shared_expert"
+        prefixes = sorted({k[:k.index(cut) + len(cut)] for k in keys if cut in k})
+        left_out += [(p, "the zero-width shared expert (shared_expert_intermediate_size 0)") for p in prefixes]
+    return args, left_out, notes
 
 
 def is_vl_config(config: dict[str, Any]) -> bool:
@@ -270,11 +302,13 @@ def from_hf(
         if not model_type:
             raise CheckpointError(f"'{ckpt.path}/config.json' has no model_type")
         spec = spec_for_checkpoint(ckpt.config, text_only)
-        args = spec.args_cls.from_hf_config(ckpt.config)
+        args, fit_left_out, notes = fit_to_checkpoint(spec.args_cls.from_hf_config(ckpt.config), ckpt.keys())
+        for line in notes:
+            log.warning("'%s': %s", ckpt.path, line)
         with torch.device("meta"):
             model = spec.model_cls(args)
         adapter = spec.adapter(args)
-        left_out = TEXT_ONLY_LEFT_OUT if text_only and is_vl_config(ckpt.config) else ()
+        left_out = list(TEXT_ONLY_LEFT_OUT if text_only and is_vl_config(ckpt.config) else ()) + fit_left_out
         note = audit_checkpoint(model, adapter, ckpt, left_out=left_out, allow_unused=allow_unused)
         if note:
             log.warning("%s", note)

@@ -135,24 +135,23 @@ def _publish(stats: RouterStats) -> None:
 class Routing(NamedTuple):
     logits: torch.Tensor  # (T, E) activation dtype (what transformers reports as router_logits)
     probs: torch.Tensor  # (T, E) fp32 softmax over all experts
-    weights: torch.Tensor  # (T, k) activation dtype, renormalised if norm_topk_prob
+    weights: torch.Tensor  # (T, k) activation dtype, renormalised to sum to 1
     indices: torch.Tensor  # (T, k) int64, by descending probability
 
 
 class TopKRouter(nn.Module):
-    """``mlp.gate``: logits = x·Wᵀ, softmax in fp32, top-k, optional renormalisation, cast back.
+    """``mlp.gate``: logits = x·Wᵀ, softmax in fp32, top-k, renormalised, cast back.
 
-    Qwen3.5-MoE and Qwen3-VL-MoE (transformers 5.24) always renormalise; ``norm_topk_prob=False``
-    keeps the raw top-k probabilities (the Qwen3-MoE option).
+    Qwen3.5-MoE and Qwen3-VL-MoE (transformers 5.24) always renormalise: their configs'
+    ``norm_topk_prob`` is ignored there and here (see ``hf_args.note_router_renormalises``).
     """
 
-    def __init__(self, hidden_size: int, num_experts: int, top_k: int, *, norm_topk_prob: bool = True) -> None:
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int) -> None:
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k {top_k} must be in [1, num_experts={num_experts}]")
         self.num_experts = num_experts
         self.top_k = top_k
-        self.norm_topk_prob = norm_topk_prob
         self.weight = nn.Parameter(torch.zeros(num_experts, hidden_size))
 
     def forward(self, x: torch.Tensor) -> Routing:
@@ -162,12 +161,11 @@ class TopKRouter(nn.Module):
         logits = linear(x, self.weight, onednn=False)  # (T, E)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         top_p, top_i = torch.topk(probs, self.top_k, dim=-1)  # sorted, descending
-        if self.norm_topk_prob:
-            top_p = top_p / top_p.sum(dim=-1, keepdim=True)
+        top_p = top_p / top_p.sum(dim=-1, keepdim=True)
         return Routing(logits, probs, top_p.to(logits.dtype), top_i)
 
     def extra_repr(self) -> str:
-        return f"experts={self.num_experts}, top_k={self.top_k}, norm_topk_prob={self.norm_topk_prob}"
+        return f"experts={self.num_experts}, top_k={self.top_k}"
 
 
 # --- expert compute -----------------------------------------------------------------------------
@@ -408,12 +406,11 @@ class SparseMoeBlock(nn.Module):
         moe_intermediate_size: int,
         shared_expert_intermediate_size: int = 0,
         *,
-        norm_topk_prob: bool = True,
         experts_impl: str = "auto",
     ) -> None:
         super().__init__()
         self.hidden_size = hidden_size
-        self.gate = TopKRouter(hidden_size, num_experts, top_k, norm_topk_prob=norm_topk_prob)
+        self.gate = TopKRouter(hidden_size, num_experts, top_k)
         self.experts = GroupedExperts(num_experts, hidden_size, moe_intermediate_size, impl=experts_impl)
         self.shared_expert: SwiGLUMLP | None = None
         self.shared_expert_gate: nn.Linear | None = None

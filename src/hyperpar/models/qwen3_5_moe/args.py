@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar
 
 from hyperpar.errors import ConfigError
-from hyperpar.models.hf_args import Entry, Fixed, Key, replace_keys
+from hyperpar.models.hf_args import Entry, Fixed, Key, note_router_renormalises, replace_keys
 from hyperpar.models.qwen3_5.args import FLAVORS as DENSE_FLAVORS
 from hyperpar.models.qwen3_5.args import TEXT_KEYS, Qwen3_5Args, Qwen3_5VLArgs, released
 from hyperpar.models.vision import VisionArgs
@@ -20,8 +20,6 @@ MOE_TEXT_KEYS: tuple[Entry, ...] = replace_keys(TEXT_KEYS, drop=("intermediate_s
     Key("shared_expert_intermediate_size", int),
     Key("router_aux_loss_coef", float),
     Fixed("output_router_logits", False),
-    # transformers' Qwen3.5-MoE cannot express norm_topk_prob=False; written only then, for us
-    Key("norm_topk_prob", bool, write_if=lambda a: not a.norm_topk_prob),
     # not a transformers field; inference engines read it
     Key("mtp_num_hidden_layers", int, or_default=True, write_if=lambda a: a.mtp_num_hidden_layers > 0),
 )
@@ -38,7 +36,6 @@ class Qwen3_5MoeArgs(Qwen3_5Args):
     num_experts_per_tok: int = 8
     moe_intermediate_size: int = 512
     shared_expert_intermediate_size: int = 512
-    norm_topk_prob: bool = True  # Qwen3.5-MoE always renormalises; kept for configs that say otherwise
     router_aux_loss_coef: float = 0.001
     # Multi-token prediction (MODELS.md 11): mtp.* modules are built when ≥ 1 (depth-1 prediction
     # uses mtp.layers.0; further layers are carried through load/export). mtp_loss_weight is a
@@ -78,6 +75,7 @@ class Qwen3_5MoeArgs(Qwen3_5Args):
     @classmethod
     def text_config(cls, d: dict[str, Any], text: dict[str, Any]) -> dict[str, Any]:
         """A composite config's text part; ``mtp_num_hidden_layers`` may sit in either level."""
+        note_router_renormalises(text, "Qwen3.5-MoE")
         if "mtp_num_hidden_layers" not in text and "mtp_num_hidden_layers" in d:
             return {**text, "mtp_num_hidden_layers": d["mtp_num_hidden_layers"]}
         return text

@@ -40,7 +40,6 @@ class Qwen3_5MoeDecoderLayer(Qwen3_5DecoderLayer):
             args.num_experts_per_tok,
             args.moe_intermediate_size,
             args.shared_expert_intermediate_size,
-            norm_topk_prob=args.norm_topk_prob,
             experts_impl=args.experts_impl,
         )
 

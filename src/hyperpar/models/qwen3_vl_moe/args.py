@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from hyperpar.errors import ConfigError
-from hyperpar.models.hf_args import VL_KEYS, Entry, Fixed, Key, hf_entries, hf_fields
+from hyperpar.models.hf_args import VL_KEYS, Entry, Fixed, Key, hf_entries, hf_fields, note_router_renormalises
 from hyperpar.models.vision import VisionArgs
 
 
@@ -108,6 +108,7 @@ class Qwen3VLMoeTextArgs:
 
     @classmethod
     def from_hf_config(cls, t: dict[str, Any]) -> "Qwen3VLMoeTextArgs":
+        note_router_renormalises(t, "Qwen3-VL-MoE")
         return cls(**hf_fields(cls, t, "qwen3_vl_moe"))
 
     def to_hf_config(self) -> dict[str, Any]:
