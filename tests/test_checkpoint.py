@@ -60,6 +60,21 @@ def test_explicit_load_path_into_a_new_run(single_base, tmp_path):
     assert records(run) == {s: base[s] for s in range(11, 21)}
 
 
+def test_resume_takes_the_schedule_shape_from_the_config_from_its_first_step(single_base, tmp_path):
+    """A resume under another schedule (cosine -> constant) ran its first step at the saving run's next LR (the
+    loaded param groups' value), the configured schedule only from its second step on; an optim.lr that differs
+    from the checkpoint's was ignored without a word."""
+    constant = records(run_small(tmp_path / "constant", ["optim=adamw_constant", "train.stop_after_steps=8"]) and
+                       tmp_path / "constant")
+    run = tmp_path / "resumed"
+    run_small(run, ["optim=adamw_constant", "optim.lr=0.5", f"checkpoint.load_path={single_base}/checkpoints/step_5",
+                    "train.stop_after_steps=8"])
+    got = records(run)
+    assert [got[s]["lr"] for s in (6, 7, 8)] == [constant[s]["lr"] for s in (6, 7, 8)]
+    assert records(single_base)[6]["lr"] != constant[6]["lr"]  # the two schedules differ there
+    assert "not applied: optim.lr=0.5 (the checkpoint's 0.001)" in (run / "logs" / "rank_0.log").read_text()
+
+
 def test_resume_with_a_smaller_global_batch_runs_to_the_end(tmp_path):
     # 16 samples consumed at global batch 4, then 4 more steps at 2: samples 16..23, past the
     # 8 x 2 = 16 the data source was sized for before the fix (IndexError at the first step).

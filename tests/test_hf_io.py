@@ -254,3 +254,33 @@ def test_zero_width_shared_expert_and_dense_mtp_tensors_load_as_in_transformers(
     save_file(sd, dense / "model.safetensors", metadata={"format": "pt"})
     from_hf(dense)
     assert any("the MTP module" in line for line in hyperpar_log), hyperpar_log
+
+
+def test_a_damaged_shard_is_named_not_reported_as_missing_tensors(tmp_path: Path) -> None:
+    """A truncated shard was reported as 'missing 5: model.layers.0...' with the hint to check config.json; an
+    index naming the wrong shard for a tensor was a raw SafetensorError traceback. Both name the file now."""
+    from transformers import Qwen3_5ForCausalLM as HFModel
+    from transformers import Qwen3_5TextConfig
+
+    from hyperpar.models.build import ModelBuilder
+
+    d = tmp_path / "sharded"
+    HFModel(Qwen3_5TextConfig(**tiny())).save_pretrained(d, max_shard_size="100KB")
+    index = json.loads((d / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) >= 3
+    key, shard = next((k, f) for k, f in index["weight_map"].items() if f == shards[1])
+    (d / shards[1]).write_bytes((d / shards[1]).read_bytes()[:-100])
+    with pytest.raises(CheckpointError) as e:
+        ModelBuilder(name="qwen3_5", hf_path=str(d)).build_meta()
+    assert shards[1] in _one_line(e.value) and "missing" not in str(e.value)
+
+    d2 = tmp_path / "index"
+    HFModel(Qwen3_5TextConfig(**tiny())).save_pretrained(d2, max_shard_size="100KB")
+    index = json.loads((d2 / "model.safetensors.index.json").read_text())
+    key = next(k for k, f in index["weight_map"].items() if f == shards[1])
+    index["weight_map"][key] = shards[2]
+    (d2 / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match=f"cannot read tensor '{key}' from .*{shards[2]}") as e:
+        from_hf(d2)
+    _one_line(e.value)

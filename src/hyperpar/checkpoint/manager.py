@@ -35,6 +35,7 @@ from hyperpar.checkpoint import integrity
 from hyperpar.checkpoint import state as st
 from hyperpar.checkpoint.preemption import fault_hook_disk_full, fault_hook_in_save
 from hyperpar.errors import CheckpointError, ConfigError, HyperparError, TrainingError
+from hyperpar.train import lr as lr_schedule
 
 log = logging.getLogger("hyperpar")
 
@@ -173,6 +174,8 @@ class Checkpointer:
                      "theirs at their first gradient", len(untrained), train_state.get("step"), st.short_list(untrained))
         try:
             trainer.scheduler.load_state_dict(train_state["scheduler"])
+            lr_schedule.resync(trainer.scheduler)
+            self._say_what_the_checkpoint_keeps(trainer.optimizer)
             trainer.load_counters(train_state["counters"])
             trainer.loader.load_state_dict(train_state["loader"])
         except KeyError as e:
@@ -240,6 +243,18 @@ class Checkpointer:
             optim_other = {k: v for other in _gather(optim_other) for k, v in other.items()}
         with fault_hook_disk_full(step):
             return self._save(trainer, step, tmp, tensors, optim_other)
+
+    def _say_what_the_checkpoint_keeps(self, optimizer) -> None:
+        """The optimizer's options come from the checkpoint (see checkpointing.md); a config that asks for
+        others is told so in one line instead of being ignored silently."""
+        if self.job_cfg is None or "optim" not in self.job_cfg:
+            return
+        group, want = optimizer.param_groups[0], self.job_cfg.optim
+        kept = [f"optim.{key}={want[key]} (the checkpoint's {saved:g})"
+                for key, saved in (("lr", group.get("initial_lr", group["lr"])), ("weight_decay", group.get("weight_decay")))
+                if key in want and saved is not None and float(want[key]) != float(saved)]
+        if kept:
+            log.warning("resumed with the checkpoint's optimizer options; not applied: %s", ", ".join(kept))
 
     def _refuse_non_finite(self, trainer, step: int) -> None:
         """The trainer checks the loss and gradient norm before each optimizer step, but the step itself can

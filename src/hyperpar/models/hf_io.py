@@ -108,26 +108,45 @@ class HFCheckpoint:
                 raise CheckpointError(f"cannot read '{self.path / fname}': {e}") from None
         return self._handles[fname]
 
+    def _damaged(self, key: str, e: Exception) -> CheckpointError:
+        # safetensors' own error types (a shard cut short, an index naming the wrong shard)
+        return CheckpointError(f"cannot read tensor '{key}' from '{self.path / self._weight_map[key]}': {e}",
+                               hint=f"the file or {INDEX_NAME} is damaged: copy the checkpoint again")
+
+    def _slice(self, key: str) -> Any:
+        handle = self._handle(key)
+        try:
+            return handle.get_slice(key)
+        except Exception as e:
+            raise self._damaged(key, e) from None
+
     def read(self, key: str) -> torch.Tensor:
         """The full tensor ``key`` on CPU in its stored dtype."""
-        return self._handle(key).get_tensor(key)
+        handle = self._handle(key)
+        try:
+            return handle.get_tensor(key)
+        except Exception as e:
+            raise self._damaged(key, e) from None
 
     def read_lazy(self, key: str) -> LazyTensor:
         """``key`` as a LazyTensor: indexing it reads only that box (``safe_open(...).get_slice``)."""
-        sl = self._handle(key).get_slice(key)
+        sl = self._slice(key)
         shape = tuple(sl.get_shape())
         dtype = _ST_DTYPES.get(sl.get_dtype(), torch.float32)
 
         def fetch(index: tuple[slice, ...]) -> torch.Tensor:
             if not shape:
                 return self.read(key)
-            return sl[index]
+            try:
+                return sl[index]
+            except Exception as e:
+                raise self._damaged(key, e) from None
 
         return LazyTensor(shape, dtype, fetch)
 
     def read_meta(self, key: str) -> torch.Tensor:
         """A meta tensor with ``key``'s shape and dtype (reads only the header)."""
-        sl = self._handle(key).get_slice(key)
+        sl = self._slice(key)
         return torch.empty(sl.get_shape(), dtype=_ST_DTYPES.get(sl.get_dtype(), torch.float32), device="meta")
 
     def close(self) -> None:
@@ -162,7 +181,7 @@ def check_checkpoint(model: nn.Module, adapter: Any, ckpt: HFCheckpoint) -> set[
     for name, p in model.named_parameters(remove_duplicate=False):
         try:
             t = adapter.load_param(name, read_meta)
-        except (CheckpointError, KeyError):
+        except KeyError:  # MissingKeyError; any other CheckpointError (a damaged shard) is its own line
             missing.append(name)
             continue
         if tuple(t.shape) != tuple(p.shape):

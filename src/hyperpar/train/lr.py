@@ -31,3 +31,13 @@ def build_scheduler(optimizer: torch.optim.Optimizer, *, schedule: str, warmup_s
         raise ConfigError(f"optim.schedule='{schedule}' is not one of {', '.join(SCHEDULES)}")
     fn = partial(lr_multiplier, warmup_steps=warmup_steps, total_steps=total_steps, schedule=schedule, min_lr_ratio=min_lr_ratio)
     return torch.optim.lr_scheduler.LambdaLR(optimizer, fn)
+
+
+def resync(scheduler: torch.optim.lr_scheduler.LambdaLR) -> None:
+    """Set each param group's LR from the schedule at its loaded position: loading a scheduler restores
+    the LR the saving run's schedule chose for the next step, but the schedule's shape (warmup, length,
+    kind) is the resuming run's config. Same schedule: the same value, bitwise (the same product)."""
+    groups = scheduler.optimizer.param_groups
+    for group, base, fn in zip(groups, scheduler.base_lrs, scheduler.lr_lambdas):
+        group["lr"] = base * fn(scheduler.last_epoch)
+    scheduler._last_lr = [group["lr"] for group in groups]
