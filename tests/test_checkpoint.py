@@ -75,6 +75,19 @@ def test_resume_takes_the_schedule_shape_from_the_config_from_its_first_step(sin
     assert "not applied: optim.lr=0.5 (the checkpoint's 0.001)" in (run / "logs" / "rank_0.log").read_text()
 
 
+def test_resume_across_a_change_of_embedding_tying_is_refused(tmp_path):
+    """A tied checkpoint saves lm_head.weight as the embedding's value with no optimizer state of its own, so an
+    untied model resumed from it passed every check and trained on with a fresh, untied head."""
+    tied = tmp_path / "tied"
+    run_small(tied, ["checkpoint=default", "checkpoint.save_steps=2", "+model.overrides.tie_word_embeddings=true"], steps=2)
+    with pytest.raises(CheckpointError, match="ties its input and output embeddings .*this model unties them"):
+        run_small(tmp_path / "untied", [f"checkpoint.load_path={tied}/checkpoints/step_2"], steps=3)
+    # the same tying resumes; a checkpoint already at train.steps says there is nothing to train (it said nothing)
+    run_small(tmp_path / "again", [f"checkpoint.load_path={tied}/checkpoints/step_2",
+                                   "+model.overrides.tie_word_embeddings=true"], steps=2)
+    assert "nothing to train: the resumed checkpoint is at step 2" in (tmp_path / "again" / "logs" / "rank_0.log").read_text()
+
+
 def test_resume_with_a_smaller_global_batch_runs_to_the_end(tmp_path):
     # 16 samples consumed at global batch 4, then 4 more steps at 2: samples 16..23, past the
     # 8 x 2 = 16 the data source was sized for before the fix (IndexError at the first step).

@@ -152,7 +152,8 @@ def worker_main(cfg: DictConfig, run_dir: str) -> dict[str, Any]:
         t = cfg.train
         # Restarted workers (elastic restart) always resume from the newest complete checkpoint.
         checkpointer = instantiate(cfg.checkpoint, _partial_=True)(
-            run_dir=run_dir, job_cfg=cfg, rank=rank, world_size=world, device_type=dev.type)
+            run_dir=run_dir, job_cfg=cfg, rank=rank, world_size=world, device_type=dev.type,
+            tied_embeddings=bool(getattr(builder.args, "tie_word_embeddings", False)))
         resume_path = checkpointer.choose_resume()
         ctx = DataContext(seq_len=t.seq_len, seed=t.seed, num_samples=samples_to_read(t, resume_path),
                           vocab_size=builder.args.vocab_size if hasattr(builder.args, "vocab_size") else builder.args.text.vocab_size,

@@ -83,6 +83,7 @@ class Checkpointer:
         world_size: int = 1,
         device_type: str = "cpu",
         restart_count: int | None = None,
+        tied_embeddings: bool | None = None,
     ) -> None:
         if resume not in RESUME_MODES:
             raise ConfigError(f"checkpoint.resume='{resume}' is not one of {', '.join(RESUME_MODES)}")
@@ -100,6 +101,9 @@ class Checkpointer:
         self.run_dir = Path(run_dir)
         self.root = d.checkpoints_dir(run_dir)
         self.job_cfg = job_cfg
+        # tied input/output embeddings save the same tensors as untied ones (the alias's value, no state
+        # of its own), so a resume across a change of tying would pass every shape check: recorded
+        self.tied_embeddings = tied_embeddings
         self.rank = rank
         self.world_size = world_size
         self.device_type = device_type
@@ -162,6 +166,13 @@ class Checkpointer:
         metadata = st.read_metadata(path)
         st.check_files(path, metadata)
         tensors, optim_other = st.split_state(trainer.model_parts, trainer.optimizer)
+        saved_tied = train_state.get("tied_embeddings")
+        if saved_tied is not None and self.tied_embeddings is not None and saved_tied != self.tied_embeddings:
+            how = ("ties its input and output embeddings (lm_head is embed_tokens)", "unties them")
+            raise CheckpointError(
+                f"checkpoint '{path}' was saved by a model that {how[0] if saved_tied else how[1]}, this model "
+                f"{how[1] if saved_tied else how[0]}",
+                hint=f"resume with tie_word_embeddings={str(saved_tied).lower()} (the checkpoint's config.yaml is next to it)")
         untrained = st.untrained_params(metadata, tensors)
         stored = st.without_state(tensors, untrained)
         st.check_compatible(path, metadata, stored, train_state.get("model"), _model_tag(self.job_cfg) or "",
@@ -230,6 +241,7 @@ class Checkpointer:
             "layout": cfg.parallel.name if cfg is not None and "parallel" in cfg else None,
             "world_size": self.world_size,
             "total_steps": trainer.steps,
+            "tied_embeddings": self.tied_embeddings,
         }
 
     def save(self, trainer) -> Path:
