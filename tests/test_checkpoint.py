@@ -88,6 +88,25 @@ def test_resume_across_a_change_of_embedding_tying_is_refused(tmp_path):
     assert "nothing to train: the resumed checkpoint is at step 2" in (tmp_path / "again" / "logs" / "rank_0.log").read_text()
 
 
+def test_rewinding_in_the_own_run_dir_leaves_the_later_branch(tmp_path):
+    """load_path = an earlier checkpoint of the run's own dir (a rewind): its newer checkpoints used to stay the
+    newest, so the next resume=auto (and a crash restart) jumped back to the abandoned branch, and the stop
+    message named it. They move to checkpoints/abandoned/, later metrics to metrics.abandoned.jsonl."""
+    run, save = tmp_path / "run", ["checkpoint=default", "checkpoint.save_steps=2", "checkpoint.keep_last=0"]
+    run_small(run, save, steps=6)
+    first = records(run)
+    run_small(run, [*save, f"checkpoint.load_path={run}/checkpoints/step_2", "train.stop_after_steps=3"], steps=6)
+    root = run / "checkpoints"
+    assert [s for s, _ in d.list_complete(root)] == [2, 3]
+    assert sorted(p.name for p in (root / d.ABANDONED).glob("*/step_*")) == ["step_4", "step_6"]
+    assert (root / "latest").read_text().strip() == "step_3"
+    assert steps_logged(run) == [1, 2, 3]
+    assert len((run / "metrics.abandoned.jsonl").read_text().splitlines()) == 4  # steps 3-6 of the first branch
+    run_small(run, save, steps=6)  # resume=auto continues the new branch from step_3
+    assert steps_logged(run) == [1, 2, 3, 4, 5, 6] and records(run) == first
+    assert d.resolve_load_path(root / "latest") == root / "step_6"  # checkpoints/latest as a load_path
+
+
 def test_resume_with_a_smaller_global_batch_runs_to_the_end(tmp_path):
     # 16 samples consumed at global batch 4, then 4 more steps at 2: samples 16..23, past the
     # 8 x 2 = 16 the data source was sized for before the fix (IndexError at the first step).

@@ -100,16 +100,17 @@ def test_explicit_load_path_wins_over_resume_auto(base, tmp_path):
     run = copy_run(base, tmp_path / "run")
     run_small(run, [*CKPT, "checkpoint.resume=auto", f"checkpoint.load_path={ckpt(run, 2)}", "train.stop_after_steps=3"],
               steps=STEPS)
-    # Resumed at step 2 (not the newer step_4 of this run dir): step 3 ran again and was saved.
-    assert steps_logged(run) == [1, 2, 3, 4, 3] and d.is_complete(ckpt(run, 3))
+    # Resumed at step 2 (not the newer step_4 of this run dir): step 3 ran again and was saved; the rewind moved
+    # step_4 and the later metrics records aside.
+    assert steps_logged(run) == [1, 2, 3] and d.is_complete(ckpt(run, 3)) and not ckpt(run, 4).exists()
     assert records(run)[3] == records(base)[3]
 
 
 def test_retention_never_deletes_the_verified_checkpoint_while_keeping_a_damaged_newer_one(base, tmp_path):
     run = copy_run(base, tmp_path / "run")
     corrupt(ckpt(run, 4) / "__0_0.distcp")
-    run_small(run, ["checkpoint=default", "checkpoint.save_steps=1", "checkpoint.keep_last=2", "checkpoint.resume=never",
-                    f"checkpoint.load_path={ckpt(run, 2)}", "train.stop_after_steps=3"], steps=STEPS)
+    run_small(run, ["checkpoint=default", "checkpoint.save_steps=1", "checkpoint.keep_last=2", "checkpoint.resume=auto",
+                    "train.stop_after_steps=3"], steps=STEPS)  # auto skips the damaged step_4, resumes step_2
     assert [s for s, _ in d.list_complete(run / "checkpoints")] == [2, 3, 4]
     d.verify_checkpoint(ckpt(run, 2))
     d.verify_checkpoint(ckpt(run, 3))

@@ -34,6 +34,7 @@ TRAIN_STATE = "train_state.json"
 CONFIG = "config.yaml"
 RNG_DIR = "rng"
 DCP_METADATA = ".metadata"
+ABANDONED = "abandoned"
 
 _STEP_RE = re.compile(r"^step_(\d+)$")
 
@@ -90,6 +91,10 @@ def resolve_load_path(path: str | Path, what: str = "checkpoint.load_path",
     if not p.exists():
         raise CheckpointError(f"{what} '{path}' does not exist",
                               hint="give a checkpoints/step_<n> directory or a run directory that has checkpoints")
+    if p.is_file() and p.name == LATEST:  # checkpoints/latest names the newest published checkpoint
+        p = p.parent / p.read_text().strip()
+        if not p.is_dir():
+            raise CheckpointError(f"{what} '{path}' names '{p.name}', which is not there")
     if not p.is_dir():
         raise CheckpointError(f"{what} '{path}' is not a directory",
                               hint="give a checkpoints/step_<n> directory")
@@ -155,6 +160,26 @@ def prepare_tmp(root: Path, step: int) -> Path:
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
     return tmp
+
+
+def retire_newer(root: Path, kept: Path) -> list[Path]:
+    """Move the complete checkpoints of ``root`` newer than ``kept`` (one of ``root``'s, which a run
+    rewinds to) into ``root/abandoned/<time>/``: they belong to the branch the run leaves, so neither
+    ``resume=auto`` nor a restart may return to them; they stay on disk for whoever wants them back.
+    ``latest`` then names ``kept``. Returns where they went."""
+    step = step_of(kept)
+    newer = [p for s, p in list_complete(root) if step is not None and s > step]
+    if not newer:
+        return []
+    dest = root / ABANDONED / time.strftime("%Y%m%d-%H%M%S")
+    dest.mkdir(parents=True, exist_ok=True)
+    moved = []
+    for p in newer:
+        os.rename(p, dest / p.name)
+        moved.append(dest / p.name)
+    (root / LATEST).write_text(kept.name + "\n")
+    _fsync_dir(root)
+    return moved
 
 
 def publish(tmp: Path, step: int, marker: dict[str, Any]) -> Path:

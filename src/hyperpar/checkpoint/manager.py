@@ -22,6 +22,7 @@ import errno
 import logging
 import os
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -166,17 +167,18 @@ class Checkpointer:
         metadata = st.read_metadata(path)
         st.check_files(path, metadata)
         tensors, optim_other = st.split_state(trainer.model_parts, trainer.optimizer)
+        untrained = st.untrained_params(metadata, tensors)
+        stored = st.without_state(tensors, untrained)
+        st.check_compatible(path, metadata, stored, train_state.get("model"), _model_tag(self.job_cfg) or "",
+                            elsewhere=self._keys_of_other_stages(trainer, stored))
         saved_tied = train_state.get("tied_embeddings")
         if saved_tied is not None and self.tied_embeddings is not None and saved_tied != self.tied_embeddings:
+            # what the shape checks cannot see: both forms save the same tensors
             how = ("ties its input and output embeddings (lm_head is embed_tokens)", "unties them")
             raise CheckpointError(
                 f"checkpoint '{path}' was saved by a model that {how[0] if saved_tied else how[1]}, this model "
                 f"{how[1] if saved_tied else how[0]}",
                 hint=f"resume with tie_word_embeddings={str(saved_tied).lower()} (the checkpoint's config.yaml is next to it)")
-        untrained = st.untrained_params(metadata, tensors)
-        stored = st.without_state(tensors, untrained)
-        st.check_compatible(path, metadata, stored, train_state.get("model"), _model_tag(self.job_cfg) or "",
-                            elsewhere=self._keys_of_other_stages(trainer, stored))
         st.load_tensors(path, stored)
         st.apply_model_optim(trainer.model_parts, trainer.optimizer, tensors, optim_other,
                              train_state.get("optim_param_groups", {}), untrained)
@@ -534,7 +536,26 @@ def preflight(cfg: DictConfig, run_dir: str) -> Path | None:
     meta_model = builder.build_meta()
     template = st.model_template(meta_model, metadata)
     st.check_compatible(path, metadata, {"model": template}, train_state.get("model"), _model_tag(cfg) or "")
+    _rewind(cfg, run_dir, path)
     return path
+
+
+def _rewind(cfg: DictConfig, run_dir: str, path: Path) -> None:
+    """A run that loads an earlier checkpoint of its own dir (rewinding past a loss spike) leaves the
+    later branch: its newer checkpoints and metrics records are moved aside, or a restart, the next
+    ``resume=auto`` and the stop message would return to that branch's newest checkpoint."""
+    from hyperpar.train.metrics import retire_records_after
+
+    root = d.checkpoints_dir(run_dir)
+    if not cfg.checkpoint.load_path or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+        return
+    if not root.is_dir() or path.parent.resolve() != root.resolve():
+        return
+    moved = d.retire_newer(root, path)
+    if moved:
+        records = retire_records_after(run_dir, d.step_of(path) or 0)
+        print(f"[hyperpar] rewinding to {path.name}: {', '.join(p.name for p in moved)} moved to "
+              f"{moved[0].parent} and {records} later metrics records to metrics.abandoned.jsonl", file=sys.stderr)
 
 
 def build_checkpointer(**kwargs: Any) -> Checkpointer:

@@ -29,6 +29,26 @@ def parse_record(line: str) -> dict[str, Any] | None:
     return rec
 
 
+def retire_records_after(run_dir: str | Path, step: int) -> int:
+    """Move the metrics.jsonl records of steps after ``step`` to metrics.abandoned.jsonl (a run that
+    rewinds to ``step`` in its own dir: readers keep the last record per step, which would mix the
+    left branch's later steps into the new one). Returns how many records moved."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        return 0
+    keep, gone = [], []
+    for line in path.read_text().splitlines():
+        rec = parse_record(line)
+        (gone if rec is not None and int(rec["step"]) > step else keep).append(line)
+    if gone:
+        with open(Path(run_dir) / "metrics.abandoned.jsonl", "a") as f:
+            f.write("\n".join(gone) + "\n")
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(line + "\n" for line in keep))
+        os.replace(tmp, path)
+    return len(gone)
+
+
 def setup_rank_logging(run_dir: str | Path, rank: int, *, console: bool) -> None:
     """logs/rank_<r>.log for every rank; the console only for rank 0 (other ranks stay quiet)."""
     logs = Path(run_dir) / "logs"
