@@ -284,3 +284,18 @@ def test_a_damaged_shard_is_named_not_reported_as_missing_tensors(tmp_path: Path
     with pytest.raises(CheckpointError, match=f"cannot read tensor '{key}' from .*{shards[2]}") as e:
         from_hf(d2)
     _one_line(e.value)
+
+
+def test_fit_to_checkpoint_keeps_mtp_that_a_vl_run_trains() -> None:
+    """The VL MoE family holds mtp_loss_weight at its top level, not in its text args: a run that trains MTP on a
+    checkpoint without mtp.* tensors must keep the module (and be told the tensors are missing), not drop it."""
+    from hyperpar.models.hf_io import fit_to_checkpoint
+    from hyperpar.models.qwen3_5_moe.args import VL_FLAVORS
+
+    vl = VL_FLAVORS["debug"]
+    assert vl.text.mtp_num_hidden_layers == 1
+    dropped, _, notes = fit_to_checkpoint(vl, ["model.language_model.embed_tokens.weight"])
+    assert dropped.text.mtp_num_hidden_layers == 0 and len(notes) == 1
+    kept, _, notes = fit_to_checkpoint(vl.replace(mtp_loss_weight=0.3), ["model.language_model.embed_tokens.weight"])
+    assert kept.text.mtp_num_hidden_layers == 1 and notes == []
+    assert fit_to_checkpoint(vl, ["mtp.fc.weight"])[0] == vl  # the tensors are there: nothing changes

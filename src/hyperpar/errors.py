@@ -39,6 +39,14 @@ class CheckpointError(HyperparError):
     kind = "checkpoint"
 
 
+class MissingKeyError(CheckpointError, KeyError):
+    """A tensor the checkpoint does not hold; a KeyError too, so an adapter can try another layout and a
+    shape check can list every missing one (any other CheckpointError, a damaged file, stops at once)."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0])
+
+
 class TrainingError(HyperparError):
     """The run itself went wrong in a way the user must act on (e.g. non-finite loss)."""
 

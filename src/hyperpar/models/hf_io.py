@@ -18,7 +18,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from hyperpar.errors import CheckpointError
+from hyperpar.errors import CheckpointError, MissingKeyError
 from hyperpar.models.fused import join_parts
 from hyperpar.models.lazy_tensor import LazyTensor
 from hyperpar.models.spec import ModelSpec, registered_models, spec_for_hf_config, spec_of_model
@@ -33,13 +33,6 @@ _ST_DTYPES = {
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
     "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
 }  # fmt: skip
-
-
-class MissingKeyError(CheckpointError, KeyError):
-    """A key the checkpoint does not hold; a KeyError too, so adapters can try another layout."""
-
-    def __str__(self) -> str:  # KeyError would quote the message
-        return str(self.args[0])
 
 
 class HFCheckpoint:
@@ -259,7 +252,7 @@ def fit_to_checkpoint(args: Any, keys: Sequence[str]) -> tuple[Any, list[tuple[s
     if not hasattr(text, "mtp_num_hidden_layers"):
         if has_mtp:
             left_out.append(("mtp.", "the MTP module (not part of this family, nor of transformers' model)"))
-    elif text.mtp_num_hidden_layers > 0 and not has_mtp and not text.mtp_loss_weight:
+    elif text.mtp_num_hidden_layers > 0 and not has_mtp and not (getattr(args, "mtp_loss_weight", 0) or text.mtp_loss_weight):
         notes.append(f"config.json says mtp_num_hidden_layers={text.mtp_num_hidden_layers} but the checkpoint has no "
                      "mtp.* tensors (transformers' save_pretrained writes none): built without the MTP module")
         text = dataclasses.replace(text, mtp_num_hidden_layers=0)

@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 import torch
 
-from hyperpar.errors import CheckpointError
+from hyperpar.errors import MissingKeyError
 from hyperpar.models.fused import FusedPart
 from hyperpar.models.param_names import canonical_name
 from hyperpar.models.qwen3_5.args import Qwen3_5Args
@@ -75,7 +75,7 @@ class Qwen3_5StateDictAdapter:
             return ["lm_head.weight"]
         if name.startswith("model."):
             return [name, "model.language_model." + name[len("model.") :]]
-        raise CheckpointError(f"qwen3_5: parameter '{name}' has no checkpoint key")
+        raise MissingKeyError(f"qwen3_5: parameter '{name}' has no checkpoint key")
 
     def load_param(self, name: str, read: Callable[[str], torch.Tensor]) -> torch.Tensor:
         """``read(key)`` may return a tensor, a meta tensor or a lazy slice: anything with ``narrow``."""
@@ -89,7 +89,7 @@ class Qwen3_5StateDictAdapter:
                 return read(key)
             except KeyError:
                 continue
-        raise CheckpointError(f"checkpoint has no tensor for '{name}' (tried {', '.join(keys)})")
+        raise MissingKeyError(f"checkpoint has no tensor for '{name}' (tried {', '.join(keys)})")
 
     def export_param(self, name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor | FusedPart]:
         name = canonical_name(name)

@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 import torch
 
-from hyperpar.errors import CheckpointError
+from hyperpar.errors import MissingKeyError
 from hyperpar.models.experts_io import expert_part, export_expert_part, read_expert_part
 from hyperpar.models.fused import FusedPart
 from hyperpar.models.vision.state_dict import export_vision_param, load_vision_param
@@ -54,7 +54,7 @@ class Qwen3_5MoeStateDictAdapter(Qwen3_5StateDictAdapter):
                 return read_expert_part(kb, leaf, read, E=a.num_experts, H=a.hidden_size, Ie=a.moe_intermediate_size)
             except KeyError:
                 continue
-        raise CheckpointError(f"checkpoint has no tensor for '{name}' (tried {', '.join(bases)}: packed and per-expert forms)")
+        raise MissingKeyError(f"checkpoint has no tensor for '{name}' (tried {', '.join(bases)}: packed and per-expert forms)")
 
     def load_param(self, name: str, read: Callable[[str], torch.Tensor]) -> torch.Tensor:
         cname = canonical_name(name)
@@ -88,7 +88,7 @@ class Qwen3_5MoeVLStateDictAdapter:
             return ["lm_head.weight", *tied]
         if name.startswith(self._PREFIXES):
             return [name]
-        raise CheckpointError(f"qwen3_5_moe_vl: parameter '{name}' has no checkpoint key")
+        raise MissingKeyError(f"qwen3_5_moe_vl: parameter '{name}' has no checkpoint key")
 
     def load_param(self, name: str, read: Callable[[str], torch.Tensor]) -> torch.Tensor:
         name = canonical_name(name)
@@ -106,7 +106,7 @@ class Qwen3_5MoeVLStateDictAdapter:
                 return read(key)
             except KeyError:
                 continue
-        raise CheckpointError(f"checkpoint has no tensor for '{name}' (tried {', '.join(keys)})")
+        raise MissingKeyError(f"checkpoint has no tensor for '{name}' (tried {', '.join(keys)})")
 
     def export_param(self, name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
         name = canonical_name(name)

@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 import torch
 
-from hyperpar.errors import CheckpointError
+from hyperpar.errors import MissingKeyError
 from hyperpar.models.experts_io import expert_part, export_expert_part, read_expert_part
 from hyperpar.models.vision.state_dict import export_vision_param, load_vision_param
 from hyperpar.models.param_names import canonical_name
@@ -26,7 +26,7 @@ class Qwen3VLMoeStateDictAdapter:
 
     def _check(self, name: str) -> None:
         if name != "lm_head.weight" and not name.startswith(_PREFIXES):
-            raise CheckpointError(f"qwen3_vl_moe: parameter '{name}' has no checkpoint key")
+            raise MissingKeyError(f"qwen3_vl_moe: parameter '{name}' has no checkpoint key")
 
     def load_param(self, name: str, read: Callable[[str], torch.Tensor]) -> torch.Tensor:
         name = canonical_name(name)
@@ -37,7 +37,7 @@ class Qwen3VLMoeStateDictAdapter:
             try:
                 return read_expert_part(*part, read, E=t.num_experts, H=t.hidden_size, Ie=t.moe_intermediate_size)
             except KeyError:
-                raise CheckpointError(f"checkpoint has no tensor for '{name}' (packed or per expert)") from None
+                raise MissingKeyError(f"checkpoint has no tensor for '{name}' (packed or per expert)") from None
         if name.startswith("model.visual."):
             return load_vision_param(name, read)
         keys = [name]
@@ -50,7 +50,7 @@ class Qwen3VLMoeStateDictAdapter:
                 return read(key)
             except KeyError:
                 continue
-        raise CheckpointError(f"checkpoint has no tensor for '{name}' (tried {', '.join(keys)})")
+        raise MissingKeyError(f"checkpoint has no tensor for '{name}' (tried {', '.join(keys)})")
 
     def export_param(self, name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
         name = canonical_name(name)

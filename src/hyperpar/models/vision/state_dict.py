@@ -10,7 +10,7 @@ from typing import Callable
 
 import torch
 
-from hyperpar.errors import CheckpointError
+from hyperpar.errors import MissingKeyError
 from hyperpar.models.fused import FusedPart
 
 _PARTS = {"q": 0, "k": 1, "v": 2}
@@ -32,7 +32,7 @@ def load_vision_param(name: str, read: Callable[[str], torch.Tensor]) -> torch.T
     try:
         t = read(key)
     except KeyError:
-        raise CheckpointError(f"checkpoint has no tensor for '{name}' (key '{key}')") from None
+        raise MissingKeyError(f"checkpoint has no tensor for '{name}' (key '{key}')") from None
     if split is None:
         return t
     rows = t.shape[0] // 3
