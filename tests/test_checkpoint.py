@@ -63,16 +63,18 @@ def test_explicit_load_path_into_a_new_run(single_base, tmp_path):
 def test_resume_takes_the_schedule_shape_from_the_config_from_its_first_step(single_base, tmp_path):
     """A resume under another schedule (cosine -> constant) ran its first step at the saving run's next LR (the
     loaded param groups' value), the configured schedule only from its second step on; an optim.lr that differs
-    from the checkpoint's was ignored without a word."""
+    from the checkpoint's was ignored without a word, and so was a change of the data stream (here the seed)."""
     constant = records(run_small(tmp_path / "constant", ["optim=adamw_constant", "train.stop_after_steps=8"]) and
                        tmp_path / "constant")
     run = tmp_path / "resumed"
     run_small(run, ["optim=adamw_constant", "optim.lr=0.5", f"checkpoint.load_path={single_base}/checkpoints/step_5",
-                    "train.stop_after_steps=8"])
+                    "train.stop_after_steps=8", "train.seed=7"])
     got = records(run)
     assert [got[s]["lr"] for s in (6, 7, 8)] == [constant[s]["lr"] for s in (6, 7, 8)]
     assert records(single_base)[6]["lr"] != constant[6]["lr"]  # the two schedules differ there
-    assert "not applied: optim.lr=0.5 (the checkpoint's 0.001)" in (run / "logs" / "rank_0.log").read_text()
+    log = (run / "logs" / "rank_0.log").read_text()
+    assert "not applied: optim.lr=0.5 (the checkpoint's 0.001)" in log
+    assert "resumed with other data than the saving run" in log and "train.seed=7 (was " in log  # said, not refused
 
 
 def test_resume_across_a_change_of_embedding_tying_is_refused(tmp_path):

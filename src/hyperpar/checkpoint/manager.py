@@ -189,6 +189,7 @@ class Checkpointer:
             trainer.scheduler.load_state_dict(train_state["scheduler"])
             lr_schedule.resync(trainer.scheduler)
             self._say_what_the_checkpoint_keeps(trainer.optimizer)
+            self._say_what_the_data_changes(path)
             trainer.load_counters(train_state["counters"])
             trainer.loader.load_state_dict(train_state["loader"])
         except KeyError as e:
@@ -269,6 +270,34 @@ class Checkpointer:
                 if key in want and saved is not None and float(want[key]) != float(saved)]
         if kept:
             log.warning("resumed with the checkpoint's optimizer options; not applied: %s", ", ".join(kept))
+
+    def _say_what_the_data_changes(self, path: Path) -> None:
+        """The data stream continues exactly only with the saving run's data, sequence length and seed;
+        a resume that changes them is allowed (a new data mix, a longer context), but said in one line."""
+        if self.job_cfg is None or self.rank != 0 or not (path / d.CONFIG).is_file():
+            return
+        try:
+            saved = OmegaConf.to_container(OmegaConf.load(path / d.CONFIG), resolve=True)
+            now = OmegaConf.to_container(self.job_cfg, resolve=True)
+        except Exception:  # an unreadable config.yaml is no reason to stop a resume
+            return
+
+        def flat(tree: Any, prefix: str) -> dict[str, Any]:
+            if not isinstance(tree, dict):
+                return {prefix: tree}
+            return {k: v for key, sub in tree.items() for k, v in flat(sub, f"{prefix}.{key}").items()}
+
+        was, got = {}, {}
+        for prefix, part in (("data", "data"), ("train.seq_len", "seq_len"), ("train.seed", "seed")):
+            before = saved.get("data") if part == "data" else (saved.get("train") or {}).get(part)
+            after = now.get("data") if part == "data" else (now.get("train") or {}).get(part)
+            was.update(flat(before, prefix))
+            got.update(flat(after, prefix))
+        changed = [f"{k}={got.get(k)} (was {was.get(k)})" for k in sorted(set(was) | set(got))
+                   if was.get(k) != got.get(k) and not k.endswith("cache_dir")]
+        if changed:
+            log.warning("resumed with other data than the saving run (its batches from here on differ from an "
+                        "uninterrupted run's): %s%s", ", ".join(changed[:4]), f" (+{len(changed) - 4} more)" if len(changed) > 4 else "")
 
     def _refuse_non_finite(self, trainer, step: int) -> None:
         """The trainer checks the loss and gradient norm before each optimizer step, but the step itself can
