@@ -107,6 +107,8 @@ def test_padding_one_document_per_sample(tmp_path, tok):
         assert s["labels"][: n - 1].tolist() == ids[1:]
         assert (s["labels"][n - 1 :] == IGNORE_INDEX).all()  # padding (and nothing for a full row)
         assert (s["input_ids"][n - 1 :] == tok.pad_token_id).all()
+        # the padding is masked (it was routed into the MoE load-balancing statistics like a real token)
+        assert s["attention_mask"].tolist() == [1] * min(n, seq) + [0] * (seq - min(n, seq))
 
 
 CHATS = [
@@ -229,3 +231,17 @@ def test_user_errors(tmp_path, monkeypatch):
     with pytest.raises(DataError, match="data.path is not set"):
         build("hf", seq_len=8, num_samples=1)
     assert os.environ["HF_HUB_OFFLINE"] == "1"
+
+
+def test_throughput_counts_every_position_and_tokens_the_labelled_ones(tmp_path):
+    """One padded document per row (pack=false): `tokens` is the labelled tokens (the loss's denominator), while
+    tokens_per_s and mfu count every position the model ran over; they counted the labelled ones, so a masked or
+    padded batch read as up to 5x slower at the same step time."""
+    from helpers import metrics_by_step, run_small
+
+    path = write_jsonl(tmp_path / "short.jsonl", [{"text": "to be or not " * (i + 1)} for i in range(8)])
+    run = tmp_path / "run"
+    run_small(run, ["data=json", f"data.path={path}", "data.pack=false", "train.seq_len=64"], steps=1)
+    rec = metrics_by_step(run)[1]
+    assert rec["tokens"] < 4 * 64 / 2  # short documents: most of every row is padding
+    assert rec["tokens_per_s"] * rec["step_time_s"] == pytest.approx(4 * 64)

@@ -565,6 +565,12 @@ class TokenizedTextSource:
         out = {"input_ids": torch.from_numpy(block[:-1].copy()), "labels": torch.from_numpy(labels)}
         if self.pack:
             out["position_ids"] = torch.from_numpy(self._block_positions(a, n - 1))
+        else:
+            # The padding after a document is no token of it: the labels ignore it, and the mask keeps it
+            # out of what else counts tokens (the MoE router statistics of the load-balancing loss).
+            mask = np.zeros(n - 1, dtype=np.int64)
+            mask[: b - a] = 1
+            out["attention_mask"] = torch.from_numpy(mask)
         return out
 
     def _block_positions(self, a: int, length: int) -> np.ndarray:

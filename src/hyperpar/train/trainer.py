@@ -99,6 +99,9 @@ class Trainer:
         # The aux loss is a per-forward statistic: averaged over every micro-batch of the global
         # batch, which is the same set of micro-batches in any layout with the same micro-batch size.
         labels = [mb["labels"].to(self.device) for mb in micro_batches]
+        # Every position the model runs over, labelled or not (padding, masked prompts): what the
+        # throughput and the model FLOPs count; ``tokens`` is the labelled ones (the loss's denominator).
+        positions = self.loader.global_batch_size * (labels[0].shape[-1] if labels else 0)
         totals = self.objective.totals(labels, n * self.loader.dp_size, self._sum_over_dp)
         if totals.tokens.item() == 0:
             raise TrainingError(f"step {self.step + 1}: the global batch has no token with a label", hint="check the data's loss masking")
@@ -153,7 +156,7 @@ class Trainer:
         tokens = int(global_tokens.item())
         self.tokens_seen += tokens
         self.samples_seen += self.loader.global_batch_size
-        tps = tokens / dt
+        tps = positions / dt
         world = self.pdims.world_size
         mfu = self.flops_per_token * tps / (self.peak_flops * world) if self.peak_flops else None  # unknown peak
         return {
