@@ -216,7 +216,9 @@ def run_worker(cfg_path: str, run_dir: str, envs: tuple[dict, dict] | None = Non
     if envs is not None:
         worker_fork.adopt_driver_env(*envs)
     os.environ["HYPERPAR_WORKER"] = "1"
-    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 and (Path(run_dir) / USER_ERROR_FILE).exists():
+    from hyperpar.checkpoint.preemption import restart_attempt
+
+    if restart_attempt() > 0 and (Path(run_dir) / USER_ERROR_FILE).exists():
         # The attempt before stopped on a user error (bad data or config, a non-finite loss): a restart
         # resumes the same checkpoint with the same data and meets it again, after redoing every step
         # since. Restarts are for crashes; this attempt exits at once and the driver reports that error.
@@ -299,9 +301,9 @@ class _WorkerExitFilter(logging.Filter):
             return True
         if getattr(exc, "exit_code", None) == 2:
             return False
-        words = str(exc).strip()
-        if type(exc).__name__ == "ProcessExitedException" or not words:
-            words = words.splitlines()[0] if words else type(exc).__name__
+        words = str(exc).strip() or type(exc).__name__
+        if type(exc).__name__ == "ProcessExitedException":
+            words = words.splitlines()[0]
         record.msg = f"{record.getMessage()}: {words}"
         record.args = None
         record.exc_info = record.exc_text = None

@@ -177,9 +177,19 @@ def retire_newer(root: Path, kept: Path) -> list[Path]:
     for p in newer:
         os.rename(p, dest / p.name)
         moved.append(dest / p.name)
-    (root / LATEST).write_text(kept.name + "\n")
-    _fsync_dir(root)
+    _write_latest(root, kept.name)
     return moved
+
+
+def _write_latest(root: Path, name: str) -> None:
+    """``root/latest`` names ``name``: written aside, synced, and renamed over (never half a name)."""
+    latest_tmp = root / f"{LATEST}.tmp"
+    with open(latest_tmp, "w") as f:
+        f.write(name + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(latest_tmp, root / LATEST)
+    _fsync_dir(root)
 
 
 def publish(tmp: Path, step: int, marker: dict[str, Any]) -> Path:
@@ -200,13 +210,7 @@ def publish(tmp: Path, step: int, marker: dict[str, Any]) -> Path:
         shutil.rmtree(retired, ignore_errors=True)
     os.rename(tmp, final)
     _fsync_dir(tmp.parent)
-    latest_tmp = tmp.parent / f"{LATEST}.tmp"
-    with open(latest_tmp, "w") as f:
-        f.write(final.name + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(latest_tmp, tmp.parent / LATEST)
-    _fsync_dir(tmp.parent)
+    _write_latest(tmp.parent, final.name)
     return final
 
 

@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.api import CheckpointException as DCPException
 from hyperpar.checkpoint import directory as d
 from hyperpar.checkpoint import integrity
 from hyperpar.checkpoint import state as st
-from hyperpar.checkpoint.preemption import fault_hook_disk_full, fault_hook_in_save
+from hyperpar.checkpoint.preemption import fault_hook_disk_full, fault_hook_in_save, restart_attempt
 from hyperpar.errors import CheckpointError, ConfigError, HyperparError, TrainingError
 from hyperpar.train import lr as lr_schedule
 
@@ -108,7 +108,7 @@ class Checkpointer:
         self.rank = rank
         self.world_size = world_size
         self.device_type = device_type
-        self.restart_count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) if restart_count is None else restart_count
+        self.restart_count = restart_attempt() if restart_count is None else restart_count
         self.last_saved_step: int | None = None
         self.resumed_from: Path | None = None
         self.trusted: set[Path] = set()  # checkpoints this run wrote or verified: retention keeps these
@@ -276,23 +276,22 @@ class Checkpointer:
         a resume that changes them is allowed (a new data mix, a longer context), but said in one line."""
         if self.job_cfg is None or self.rank != 0 or not (path / d.CONFIG).is_file():
             return
-        try:
-            saved = OmegaConf.to_container(OmegaConf.load(path / d.CONFIG), resolve=True)
-            now = OmegaConf.to_container(self.job_cfg, resolve=True)
-        except Exception:  # an unreadable config.yaml is no reason to stop a resume
-            return
-
         def flat(tree: Any, prefix: str) -> dict[str, Any]:
             if not isinstance(tree, dict):
                 return {prefix: tree}
             return {k: v for key, sub in tree.items() for k, v in flat(sub, f"{prefix}.{key}").items()}
 
-        was, got = {}, {}
-        for prefix, part in (("data", "data"), ("train.seq_len", "seq_len"), ("train.seed", "seed")):
-            before = saved.get("data") if part == "data" else (saved.get("train") or {}).get(part)
-            after = now.get("data") if part == "data" else (now.get("train") or {}).get(part)
-            was.update(flat(before, prefix))
-            got.update(flat(after, prefix))
+        def stream(cfg: DictConfig) -> dict[str, Any]:
+            out: dict[str, Any] = {}
+            for key in ("data", "train.seq_len", "train.seed"):
+                value = OmegaConf.select(cfg, key, default=None)
+                out.update(flat(OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value, key))
+            return out
+
+        try:
+            was, got = stream(OmegaConf.load(path / d.CONFIG)), stream(self.job_cfg)
+        except Exception:  # an unreadable config.yaml is no reason to stop a resume
+            return
         changed = [f"{k}={got.get(k)} (was {was.get(k)})" for k in sorted(set(was) | set(got))
                    if was.get(k) != got.get(k) and not k.endswith("cache_dir")]
         if changed:
@@ -576,7 +575,7 @@ def _rewind(cfg: DictConfig, run_dir: str, path: Path) -> None:
     from hyperpar.train.metrics import retire_records_after
 
     root = d.checkpoints_dir(run_dir)
-    if not cfg.checkpoint.load_path or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+    if not cfg.checkpoint.load_path or restart_attempt() > 0:
         return
     if not root.is_dir() or path.parent.resolve() != root.resolve():
         return

@@ -85,14 +85,15 @@ class PreemptionFlag:
         self._previous.clear()
 
 
-def _attempt() -> int:
+def restart_attempt() -> int:
+    """Which elastic attempt this process is (0: the first; a restarted worker group counts up)."""
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
 
 
 def fault_hook_after_step(step: int, rank: int, world_size: int) -> None:
     """Test hook (see module doc): crash or preempt one rank after a given step, first attempt only."""
     at = os.environ.get("HYPERPAR_TEST_SIGNAL_AT_STEP") or os.environ.get("HYPERPAR_TEST_KILL_AT_STEP")
-    if not at or int(at) != step or _attempt() != 0:
+    if not at or int(at) != step or restart_attempt() != 0:
         return
     target = int(os.environ.get("HYPERPAR_TEST_SIGNAL_RANK", 1 if world_size > 1 else 0))
     if rank != target:
@@ -108,7 +109,7 @@ def fault_hook_after_step(step: int, rank: int, world_size: int) -> None:
 def fault_hook_in_save(step: int) -> None:
     """Test hook (see module doc): die between writing a checkpoint and publishing it."""
     at = os.environ.get("HYPERPAR_TEST_KILL_IN_SAVE")
-    if at and int(at) == step and _attempt() == 0:
+    if at and int(at) == step and restart_attempt() == 0:
         os.kill(os.getpid(), signal.SIGKILL)
 
 

@@ -6,6 +6,7 @@ load) touches only what it needs; ``from_hf`` builds the model on meta and fills
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -101,25 +102,25 @@ class HFCheckpoint:
                 raise CheckpointError(f"cannot read '{self.path / fname}': {e}") from None
         return self._handles[fname]
 
-    def _damaged(self, key: str, e: Exception) -> CheckpointError:
-        # safetensors' own error types (a shard cut short, an index naming the wrong shard)
-        return CheckpointError(f"cannot read tensor '{key}' from '{self.path / self._weight_map[key]}': {e}",
-                               hint=f"the file or {INDEX_NAME} is damaged: copy the checkpoint again")
+    @contextlib.contextmanager
+    def _reading(self, key: str) -> Iterator[None]:
+        """safetensors' own error types (a shard cut short, an index naming the wrong shard) as one line."""
+        try:
+            yield
+        except Exception as e:
+            raise CheckpointError(f"cannot read tensor '{key}' from '{self.path / self._weight_map[key]}': {e}",
+                                  hint=f"the file or {INDEX_NAME} is damaged: copy the checkpoint again") from None
 
     def _slice(self, key: str) -> Any:
         handle = self._handle(key)
-        try:
+        with self._reading(key):
             return handle.get_slice(key)
-        except Exception as e:
-            raise self._damaged(key, e) from None
 
     def read(self, key: str) -> torch.Tensor:
         """The full tensor ``key`` on CPU in its stored dtype."""
         handle = self._handle(key)
-        try:
+        with self._reading(key):
             return handle.get_tensor(key)
-        except Exception as e:
-            raise self._damaged(key, e) from None
 
     def read_lazy(self, key: str) -> LazyTensor:
         """``key`` as a LazyTensor: indexing it reads only that box (``safe_open(...).get_slice``)."""
@@ -130,10 +131,8 @@ class HFCheckpoint:
         def fetch(index: tuple[slice, ...]) -> torch.Tensor:
             if not shape:
                 return self.read(key)
-            try:
+            with self._reading(key):
                 return sl[index]
-            except Exception as e:
-                raise self._damaged(key, e) from None
 
         return LazyTensor(shape, dtype, fetch)
 
@@ -256,7 +255,7 @@ def fit_to_checkpoint(args: Any, keys: Sequence[str]) -> tuple[Any, list[tuple[s
         notes.append(f"config.json says mtp_num_hidden_layers={text.mtp_num_hidden_layers} but the checkpoint has no "
                      "mtp.* tensors (transformers' save_pretrained writes none): built without the MTP module")
         text = dataclasses.replace(text, mtp_num_hidden_layers=0)
-        args = args.replace(text=text) if text is not args and hasattr(args, "text") else text
+        args = args.replace(text=text) if hasattr(args, "text") else text
     if getattr(text, "shared_expert_intermediate_size", None) == 0:
         cut = ".mlp.shared_expert"
         prefixes = sorted({k[:k.index(cut) + len(cut)] for k in keys if cut in k})

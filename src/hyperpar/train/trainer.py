@@ -199,7 +199,7 @@ class Trainer:
         from hyperpar.checkpoint.preemption import fault_hook_after_step
 
         log.info("training for %d steps (starting at step %d)", self.steps, self.step)
-        if self.step >= self.steps > 0 and self.step > 0:
+        if self.step >= self.steps > 0:
             log.warning("nothing to train: the resumed checkpoint is at step %d, train.steps=%d (raise train.steps "
                         "to train on)", self.step, self.steps)
         if self.stop_after_steps is not None and 0 < self.stop_after_steps <= self.step:
