@@ -48,7 +48,8 @@ def read_losses(run_dir: Path) -> dict[int, float]:
     out: dict[int, float] = {}
     for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines():
         rec = json.loads(line)
-        out[rec["step"]] = rec["loss"]
+        if "loss" in rec:  # not a skipped step (no labelled token)
+            out[rec["step"]] = rec["loss"]
     return out
 
 

@@ -245,3 +245,26 @@ def test_throughput_counts_every_position_and_tokens_the_labelled_ones(tmp_path)
     rec = metrics_by_step(run)[1]
     assert rec["tokens"] < 4 * 64 / 2  # short documents: most of every row is padding
     assert rec["tokens_per_s"] * rec["step_time_s"] == pytest.approx(4 * 64)
+
+
+def test_a_global_batch_without_labels_is_skipped_not_fatal(tmp_path):
+    """A chat sample whose prompt fills train.seq_len has no labelled token: with one sample per step
+    that step is skipped (no update; the LR schedule and the data move on) instead of stopping the
+    run; a run of such batches is a masking error and stops it."""
+    from helpers import metrics_by_step, run_small
+
+    from hyperpar.errors import TrainingError
+
+    long = {"messages": [{"role": "user", "content": "Tell me " * 30}, {"role": "assistant", "content": "No."}]}
+    path = write_jsonl(tmp_path / "chat.jsonl", [long, CHATS[2], CHATS[2]])
+    data = ["data=json", f"data.path={path}", "data.pack=false", "data.shuffle=false", "train.global_batch_size=1",
+            "train.seq_len=32", "optim.warmup_steps=2"]
+    run_small(tmp_path / "run", data, steps=3)
+    recs = metrics_by_step(tmp_path / "run")
+    assert recs[1]["skipped"] == "no labelled token" and "loss" not in recs[1] and recs[1]["tokens"] == 0
+    assert all("skipped" not in recs[s] and recs[s]["tokens"] > 0 for s in (2, 3))
+    assert recs[1]["lr"] < recs[2]["lr"]  # warmup moved on through the skipped step
+    path = write_jsonl(tmp_path / "masked.jsonl", [long])
+    with pytest.raises(TrainingError, match="8 global batches in a row have no token with a label"):
+        run_small(tmp_path / "masked", ["data=json", f"data.path={path}", "data.pack=false",
+                                        "train.global_batch_size=1"], steps=10)

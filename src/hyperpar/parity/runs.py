@@ -49,7 +49,8 @@ class RunRecord:
 
     @property
     def losses(self) -> dict[int, float]:
-        return {step: _as_float(rec.get("loss")) for step, rec in self.metrics.items()}
+        # A skipped step (its global batch had no labelled token) has no loss to compare.
+        return {step: _as_float(rec.get("loss")) for step, rec in self.metrics.items() if "skipped" not in rec}
 
     @property
     def failed(self) -> bool:

@@ -111,8 +111,11 @@ class MetricsWriter:
         if step % self.log_every != 0 and step != self.total_steps:
             return
         if self._bar is not None:
-            self._bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}", refresh=False)
+            if "loss" in record:
+                self._bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}", refresh=False)
             self._bar.update(self._unshown)
+        elif "skipped" in record:
+            log.info("step %d skipped (%s)", step, record["skipped"])
         else:
             log.info("step %d loss %.6f grad_norm %.4f lr %.3g tok/s %.0f", record["step"], record["loss"],
                      record["grad_norm"], record["lr"], record["tokens_per_s"])

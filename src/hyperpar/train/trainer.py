@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+import warnings
 from typing import Any
 
 import torch
@@ -20,6 +21,10 @@ from hyperpar.train.metrics import MetricsWriter
 from hyperpar.train.optim import clip_grad_norm
 
 log = logging.getLogger("hyperpar")
+
+# Global batches without one labelled token are skipped (a prompt longer than train.seq_len, an
+# all-masked SFT sample); this many in a row means the data's loss masking is wrong, and the run stops.
+MAX_UNLABELLED_IN_ROW = 8
 
 
 def _model_inputs(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
@@ -81,6 +86,7 @@ class Trainer:
         self.step = 0  # optimizer steps done
         self.tokens_seen = 0
         self.samples_seen = 0
+        self.unlabelled_in_row = 0  # consecutive skipped global batches (see MAX_UNLABELLED_IN_ROW)
         self.loss_group = parallel_dims.submesh("dp_cp").get_group()
         # VL: the ranks whose vision towers run their FSDP collectives together (see vision_sync).
         self.vision_group = self.loss_group if pipeline is None and is_vl(getattr(model, "args", None)) else None
@@ -104,7 +110,8 @@ class Trainer:
         positions = self.loader.global_batch_size * (labels[0].shape[-1] if labels else 0)
         totals = self.objective.totals(labels, n * self.loader.dp_size, self._sum_over_dp)
         if totals.tokens.item() == 0:
-            raise TrainingError(f"step {self.step + 1}: the global batch has no token with a label", hint="check the data's loss masking")
+            return self._skip_unlabelled(t0)
+        self.unlabelled_in_row = 0
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         aux_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         mtp_sum = torch.zeros((), dtype=torch.float32, device=self.device)
@@ -173,6 +180,25 @@ class Trainer:
             **extra,
         }
 
+    def _skip_unlabelled(self, t0: float) -> dict[str, Any]:
+        """A step whose global batch has no labelled token: no forward, no update (its loss would be
+        0 / 0); the step, the data position and the LR schedule move on as for any step, so a resume
+        and a layout with other micro-batch sizes skip the same batch."""
+        self.unlabelled_in_row += 1
+        if self.unlabelled_in_row >= MAX_UNLABELLED_IN_ROW:
+            raise TrainingError(f"step {self.step + 1}: {self.unlabelled_in_row} global batches in a row have no "
+                                "token with a label", hint="check the data's loss masking (e.g. chat prompts longer "
+                                "than train.seq_len)")
+        log.warning("step %d: the global batch has no token with a label; skipped (no update)", self.step + 1)
+        lr = self.optimizer.param_groups[0]["lr"]
+        with warnings.catch_warnings():  # torch's "scheduler before optimizer" when the first step is skipped
+            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step\\(\\)`")
+            self.scheduler.step()
+        self.step += 1
+        self.samples_seen += self.loader.global_batch_size
+        return {"step": self.step, "skipped": "no labelled token", "lr": float(lr), "tokens": 0,
+                "tokens_seen": self.tokens_seen, "step_time_s": time.perf_counter() - t0}
+
     def counters(self) -> dict[str, int]:
         """The loop's position, saved in checkpoints (consumed samples and tokens continue on resume)."""
         return {"step": self.step, "samples_seen": self.samples_seen, "tokens_seen": self.tokens_seen}
@@ -206,7 +232,8 @@ class Trainer:
             self.stop_reason = "stop_after_steps"
         while self.step < self.steps and self.stop_reason is None:
             record = self.train_step()
-            self.history.append(record["loss"])
+            if "loss" in record:  # a skipped step (no labelled token) has none
+                self.history.append(record["loss"])
             if self.metrics is not None:
                 self.metrics.write(record)
             fault_hook_after_step(self.step, self.rank, self.pdims.world_size)
