@@ -67,13 +67,13 @@ def test_resume_takes_the_schedule_shape_from_the_config_from_its_first_step(sin
     constant = records(run_small(tmp_path / "constant", ["optim=adamw_constant", "train.stop_after_steps=8"]) and
                        tmp_path / "constant")
     run = tmp_path / "resumed"
-    run_small(run, ["optim=adamw_constant", "optim.lr=0.5", f"checkpoint.load_path={single_base}/checkpoints/step_5",
+    run_small(run, ["optim=adamw_constant", "optim.lr=0.5", "optim.beta1=0.5", f"checkpoint.load_path={single_base}/checkpoints/step_5",
                     "train.stop_after_steps=8", "train.seed=7"])
     got = records(run)
     assert [got[s]["lr"] for s in (6, 7, 8)] == [constant[s]["lr"] for s in (6, 7, 8)]
     assert records(single_base)[6]["lr"] != constant[6]["lr"]  # the two schedules differ there
     log = (run / "logs" / "rank_0.log").read_text()
-    assert "not applied: optim.lr=0.5 (the checkpoint's 0.001)" in log
+    assert "not applied: optim.lr=0.5 (the checkpoint's 0.001), optim.beta1=0.5 (the checkpoint's 0.9)" in log
     assert "resumed with other data than the saving run" in log and "train.seed=7 (was " in log  # said, not refused
 
 

@@ -342,3 +342,20 @@ def test_packed_training_single_vs_fsdp2_and_cp2(tmp_path, make):
         other = read_losses(sweep / job)
         assert sorted(base) == sorted(other) == [1, 2, 3]
         assert max(abs(base[s] - other[s]) for s in base) <= 1e-5, job
+
+
+def test_vl_pipeline_inputs_keep_packed_document_starts():
+    """Under pp the VL step inputs became 3-row (T, H, W) positions, which carry no document starts:
+    every stage then ran packed text rows as one document (attention, GatedDeltaNet state and conv)."""
+    from hyperpar.distributed import pipeline_vl
+    from hyperpar.models.layers.documents import Documents
+    from hyperpar.models.spec import get_model_spec
+
+    args = get_model_spec("qwen3_vl_moe").args_for("debug")
+    pos = torch.cat([torch.arange(32), torch.arange(32)]).unsqueeze(0)
+    mb = {"input_ids": torch.randint(10, 900, (1, 64)), "labels": torch.randint(10, 900, (1, 64)), "position_ids": pos}
+    rows, _ = pipeline_vl.step_inputs([mb], args)
+    assert rows["position_ids"].shape == (4, 1, 64)
+    assert Documents.from_positions(rows["position_ids"]).lengths == [32, 32]
+    plain, _ = pipeline_vl.step_inputs([{k: v for k, v in mb.items() if k != "position_ids"}], args)
+    assert Documents.from_positions(plain["position_ids"]) is None  # unpacked rows stay on the fast path

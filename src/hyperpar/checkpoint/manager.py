@@ -265,8 +265,10 @@ class Checkpointer:
         if self.job_cfg is None or "optim" not in self.job_cfg:
             return
         group, want = optimizer.param_groups[0], self.job_cfg.optim
-        kept = [f"optim.{key}={want[key]} (the checkpoint's {saved:g})"
-                for key, saved in (("lr", group.get("initial_lr", group["lr"])), ("weight_decay", group.get("weight_decay")))
+        betas = group.get("betas") or (None, None)
+        saved_options = (("lr", group.get("initial_lr", group["lr"])), ("weight_decay", group.get("weight_decay")),
+                         ("beta1", betas[0]), ("beta2", betas[1]), ("eps", group.get("eps")))
+        kept = [f"optim.{key}={want[key]} (the checkpoint's {saved:g})" for key, saved in saved_options
                 if key in want and saved is not None and float(want[key]) != float(saved)]
         if kept:
             log.warning("resumed with the checkpoint's optimizer options; not applied: %s", ", ".join(kept))

@@ -99,15 +99,18 @@ def step_inputs(micro_batches: list[dict[str, torch.Tensor]], args) -> tuple[dic
         B, S = ids.shape
         rows = {k: v for k, v in mb.items() if k not in VISION_KEYS and k != "mm_token_type_ids"}
         # Every step hands the schedule the same inputs (it keeps the chunking of its first step):
-        # positions are always explicit 3-row ones, plain 0..S-1 for a step without images.
+        # positions are always explicit 4-row (text, T, H, W) ones, plain 0..S-1 for a step without images
+        # (a 3-row form would lose the document starts of packed rows).
         pos = mb.get("position_ids")
         if pos is None and any(mb.get(grid) is not None for _, grid, _ in VISION):
             pos, _ = get_rope_index(ids, mb.get("mm_token_type_ids"), mb.get("image_grid_thw"), mb.get("video_grid_thw"),
                                     spatial_merge_size=vision.spatial_merge_size, attention_mask=mb.get("attention_mask"))
         elif pos is None:
-            pos = torch.arange(S, device=ids.device).expand(3, B, S)
-        elif pos.dim() == 2:
-            pos = pos.unsqueeze(0).expand(3, B, S)
+            pos = torch.arange(S, device=ids.device).expand(4, B, S)
+        elif pos.dim() == 2:  # packed text rows: the text row keeps their document starts
+            pos = pos.unsqueeze(0).expand(4, B, S)
+        if pos.shape[0] == 3:  # (T, H, W) rows carry no document starts: a text row without any
+            pos = torch.cat([torch.arange(S, device=pos.device).expand(1, B, S), pos])
         rows["position_ids"] = pos
         per_row.append(rows)
         for pixels, grid, token in VISION:
