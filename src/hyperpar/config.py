@@ -47,7 +47,8 @@ class TrainConfig:
     fused_head_loss: bool = True
     log_every: int = 1  # console / progress-bar line every N steps; metrics.jsonl still gets every step
     # torch.use_deterministic_algorithms (warn-only) + CUBLAS_WORKSPACE_CONFIG + no cuDNN autotuning:
-    # the same run repeats bitwise on GPU/NPU too, a little slower (CPU kernels are deterministic anyway).
+    # a rerun repeats on GPU/NPU too, a little slower, except ops that only warn (CUDA attention backward:
+    # see training.md "Determinism"); CPU kernels are deterministic anyway.
     deterministic: bool = True
     # End the loop after this many optimizer steps without changing the schedule (which still spans
     # ``steps``): a run that stops early and resumes later follows the uninterrupted trajectory.
