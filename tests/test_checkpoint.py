@@ -77,6 +77,14 @@ def test_resume_takes_the_schedule_shape_from_the_config_from_its_first_step(sin
     assert "resumed with other data than the saving run" in log and "train.seed=7 (was " in log  # said, not refused
 
 
+def test_a_warmup_longer_than_the_run_is_said(tmp_path):
+    run_small(tmp_path / "short", ["optim.warmup_steps=5"], steps=2)
+    assert "optim.warmup_steps=5 > train.steps=2: the run ends inside the warmup" in \
+        (tmp_path / "short" / "logs" / "rank_0.log").read_text()
+    run_small(tmp_path / "long", ["optim.warmup_steps=2"], steps=2)
+    assert "inside the warmup" not in (tmp_path / "long" / "logs" / "rank_0.log").read_text()
+
+
 def test_resume_across_a_change_of_embedding_tying_is_refused(tmp_path):
     """A tied checkpoint saves lm_head.weight as the embedding's value with no optimizer state of its own, so an
     untied model resumed from it passed every check and trained on with a fresh, untied head."""

@@ -56,17 +56,6 @@ def test_model_divisibility_checks():
         p.check_model({"num_hidden_layers": 2}, global_batch_size=4, micro_batch_size=1)
 
 
-def test_a_warmup_as_long_as_the_run_is_said(capsys):
-    from helpers import compose_cfg
-
-    from hyperpar.config import check_values
-
-    check_values(compose_cfg(["train.steps=3", "optim.warmup_steps=10"]))
-    assert "optim.warmup_steps=10 >= train.steps=3" in capsys.readouterr().err
-    check_values(compose_cfg(["train.steps=30", "optim.warmup_steps=10"]))
-    assert "warmup" not in capsys.readouterr().err
-
-
 def test_lr_schedule_shapes():
     kw = dict(warmup_steps=2, total_steps=10, min_lr_ratio=0.1)
     assert lr_multiplier(0, schedule="cosine", **kw) == 0.5

@@ -296,11 +296,6 @@ def check_values(cfg: DictConfig, *, warn: bool = True) -> DictConfig:
             raise ConfigError(f"{key}={value} must be {what}")
     if warn and OmegaConf.select(cfg, "optim.lr", default=None) == 0 and int(os.environ.get("RANK", 0)) == 0:
         print("[hyperpar] warning: optim.lr=0: the weights will not change", file=sys.stderr)
-    warmup, steps = OmegaConf.select(cfg, "optim.warmup_steps", default=0), OmegaConf.select(cfg, "train.steps", default=0)
-    if warn and steps and warmup >= steps and OmegaConf.select(cfg, "optim.schedule", default="") != "constant" \
-            and int(os.environ.get("RANK", 0)) == 0:
-        print(f"[hyperpar] warning: optim.warmup_steps={warmup} >= train.steps={steps}: the run ends inside the "
-              f"warmup (its last step at {steps / warmup:.3g} x optim.lr) and never decays", file=sys.stderr)
     if warn and str(OmegaConf.select(cfg, "train.mixed_precision.param_dtype", default="")) in ("float16", "fp16") \
             and int(os.environ.get("RANK", 0)) == 0:
         print("[hyperpar] warning: param_dtype=float16 has no loss scaling here: small gradients underflow to "

@@ -225,6 +225,10 @@ class Trainer:
         from hyperpar.checkpoint.preemption import fault_hook_after_step
 
         log.info("training for %d steps (starting at step %d)", self.steps, self.step)
+        warmup = getattr(getattr(self.scheduler, "lr_lambdas", [None])[0], "keywords", {}).get("warmup_steps", 0)
+        if warmup > self.steps:
+            log.warning("optim.warmup_steps=%d > train.steps=%d: the run ends inside the warmup (its last step at "
+                        "%.3g x optim.lr)", warmup, self.steps, self.steps / warmup)
         if self.step >= self.steps > 0:
             log.warning("nothing to train: the resumed checkpoint is at step %d, train.steps=%d (raise train.steps "
                         "to train on)", self.step, self.steps)
