@@ -142,7 +142,7 @@ def test_step_vision_picks_the_images_of_a_row_range():
     text_only = {"input_ids": torch.zeros(1, 12, dtype=torch.long), "labels": torch.zeros(1, 12, dtype=torch.long),
                  "position_ids": torch.arange(12).expand(1, 12)}  # (B, S) positions become 3 equal rows
     rows, vision = step_inputs([mb, text_only], args)
-    assert rows["input_ids"].shape == (4, 12) and rows["position_ids"].shape == (3, 4, 12)
+    assert rows["input_ids"].shape == (4, 12) and rows["position_ids"].shape == (4, 4, 12)  # (text, T, H, W)
     assert vision.rows(1, 2) == {} and vision.rows(3, 4) == {}
     r0 = vision.rows(0, 1)
     assert r0["pixel_values"].flatten().tolist() == list(range(8)) and r0["image_grid_thw"].tolist() == [[1, 2, 4]]
