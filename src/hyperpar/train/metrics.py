@@ -111,7 +111,7 @@ class MetricsWriter:
         if step % self.log_every != 0 and step != self.total_steps:
             return
         if self._bar is not None:
-            if "loss" in record:
+            if "skipped" not in record:  # a skipped step has no loss to show
                 self._bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}", refresh=False)
             self._bar.update(self._unshown)
         elif "skipped" in record:
