@@ -80,7 +80,8 @@ def test_linear_cross_entropy_sum_equals_unfused_head_and_loss():
     unfused = ce.cross_entropy_sum((h @ w.t()).flatten(0, 1), y.flatten())
     (unfused * 0.5).backward()
     assert abs(fused.item() - unfused.item()) <= 2e-6 * unfused.item()
-    assert (g - h.grad).abs().max().item() <= 1e-6 and w.grad is None
+    # h's gradient sums 500 O(1) vocab terms in another order: sqrt(500) * 2^-24 ~ 1.3e-6 is the rounding scale
+    assert (g - h.grad).abs().max().item() <= 2e-6 and w.grad is None
 
 
 def test_linear_cross_entropy_sum_without_grad_forms_no_gradient(monkeypatch):

@@ -339,7 +339,10 @@ def test_fsdp2_tp2_pp2_checkpoint_resumes_under_single_and_exports(tmp_path):
     worst = max(abs(got[s] - ref[s]) for s in got)
     diff = (_hf_logits(tmp_path / "pp2" / "hf") - _hf_logits(tmp_path / "single" / "hf")).abs().max().item()
     print(f"fsdp2_tp2_pp2 step 5 -> single: max |loss diff| steps 6-10 {worst:.2e}; pp2 HF logits vs single's {diff:.2e}")
-    assert worst <= TOL and diff <= TOL
+    # The two runs' per-step losses agree within an ulp, but ten AdamW steps divide gradient rounding
+    # differences by sqrt(v), so the final weights differ by more: measured 1.3e-5 on logits of
+    # max |1.0| on an AMD AVX-512 host. A misplaced or missing stage in the export is off by > 1e-2.
+    assert worst <= TOL and diff <= 5 * TOL
     offline = tmp_path / "offline"
     res = run_cli([str(pp8 / "checkpoints" / "step_10"), str(offline)], cwd=tmp_path, module="hyperpar.export", timeout=300)
     assert res.returncode == 0, res.stderr
