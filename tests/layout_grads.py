@@ -82,14 +82,15 @@ def one_step(overrides: list[str]) -> dict:
             dist.all_reduce(x, group=dp_cp.get_group())
         return x
 
-    totals = objective.totals([mb["labels"] for mb in micro_batches], len(micro_batches) * dp.size(), over_dp)
+    targets = [objective.targets(mb["labels"], mb.get("position_ids"), mb.get("attention_mask")) for mb in micro_batches]
+    totals = objective.totals(targets, len(micro_batches) * dp.size(), over_dp)
     loss_sum = torch.zeros(())
     for i, mb in enumerate(micro_batches):
         if hasattr(model, "set_requires_gradient_sync"):  # FSDP (one fp32 rank stays plain)
             model.set_requires_gradient_sync(i == len(micro_batches) - 1)
         with objective.context():
             out = model(**{k: v for k, v in mb.items() if k != "labels"})
-            obj, parts = objective(out, mb["labels"], totals)
+            obj, parts = objective(out, targets[i], totals)
             obj.backward()
         loss_sum += parts.lm_sum
     norm = clip_grad_norm(list(model.parameters()), 0.0)

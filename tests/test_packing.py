@@ -254,6 +254,58 @@ def test_packed_logits_equal_each_document_alone(name):
             assert abs(_outputs(model(**unmasked))[1] / aux - 1) > 1e-4
 
 
+def _doc_labels(ids: torch.Tensor) -> torch.Tensor:
+    """One document's pre-shifted labels: the next token, none after its last."""
+    return torch.cat([ids[1:], ids.new_full((1,), -100)])
+
+
+@pytest.mark.parametrize("name", ["qwen3_5_moe", "qwen3_5_moe_vl"])
+def test_packed_mtp_loss_and_router_statistics_equal_each_document_alone(name):
+    """The MTP stream row that joins two documents (the last token's state, the next document's
+    first embedding) or touches padding exists for no document alone: its target is not trained or
+    counted, and its token is left out of the router statistics."""
+    from hyperpar.train.objective import Objective, StepTotals
+
+    model = build(name)
+    objective = Objective(mtp_weight=0.5)
+    g = torch.Generator().manual_seed(6)
+    ids = [torch.randint(10, 900, (sum(r),), generator=g) for r in ROWS]
+    batch = packed_batch(ids)
+    labels = torch.full_like(batch["input_ids"], -100)
+    for r, lengths in enumerate(ROWS):
+        s0 = real_start(r)
+        for n in lengths:
+            labels[r, s0 : s0 + n] = _doc_labels(batch["input_ids"][r, s0 : s0 + n])
+            s0 += n
+    if "vl" in name:
+        batch["position_ids"] = batch["position_ids"].unsqueeze(0).expand(4, -1, -1)
+    targets = objective.targets(labels, batch["position_ids"], batch["attention_mask"])
+    mtp_tokens = objective.totals([targets], 1, lambda t: t).mtp_tokens
+    with torch.no_grad():
+        out = model(**batch)
+        totals = StepTotals(tokens=torch.tensor(1.0), micro_batches=1, mtp_tokens=torch.tensor(1.0))
+        mtp_sum = objective(out, targets, totals)[1].mtp_sum
+        alone_sum, alone_tokens, alone_rows, alone_counts = 0.0, 0, 0.0, 0
+        for r, lengths in enumerate(ROWS):
+            s0 = 0
+            for n in lengths:
+                doc = ids[r][s0 : s0 + n]
+                s0 += n
+                one = run_alone(model, doc)
+                one_labels = _doc_labels(doc).unsqueeze(0)
+                stats = one.router_stats
+                alone_rows += stats.tokens.item()
+                alone_counts = alone_counts + stats.counts
+                if n > 1:
+                    t = objective.targets(one_labels)
+                    alone_sum += objective(one, t, totals)[1].mtp_sum.item()
+                    alone_tokens += int((objective.mtp_labels(t) != -100).sum())
+    assert mtp_tokens.item() == alone_tokens == sum(max(n - 2, 0) for r in ROWS for n in r)
+    assert abs(mtp_sum.item() / alone_sum - 1) < 1e-5, (mtp_sum.item(), alone_sum)
+    assert out.router_stats.tokens.item() == alone_rows
+    assert torch.equal(out.router_stats.counts, alone_counts)
+
+
 def test_unpacked_rows_take_the_fast_path(monkeypatch):
     """Plain positions give no descriptor: the kernels run exactly as without packing."""
     model = build("qwen3_5")

@@ -14,7 +14,9 @@ that sees the whole batch; tensor-parallel ranks compute the same objective.
 Under context parallelism (``cp``, a ``SequenceShard``) the labels come in whole rows (pre-shifted)
 and are cut here like the model's inputs: each rank's token CE and token count cover its shard
 only, so every token counts once; the MTP targets (one further along) are cut from the whole row,
-so none is lost at a shard edge. Router statistics are summed over cp before the load-balancing
+so none is lost at a shard edge. ``targets`` builds them once per micro-batch, before the step's
+normalisers are counted, from the labels and the positions / mask the model gets: a stream row that
+joins two packed documents or touches padding has no target. Router statistics are summed over cp before the load-balancing
 loss (it pools over the whole sequence); every cp rank then holds the same aux loss and adds
 1/cp of it, so the objective summed over ranks, its gradient and the logged aux are one process's. The trainer's step
 and a pipeline schedule's ``loss_fn`` call the same object.
@@ -33,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
+from hyperpar.models.layers.documents import mtp_stream_rows
 from hyperpar.models.layers.moe import load_balancing_loss
 from hyperpar.models.layers.lm_head import HeadInput
 from hyperpar.train.cross_entropy import IGNORE_INDEX, cross_entropy_sum, linear_cross_entropy_sum
@@ -86,14 +89,32 @@ class Objective:
         self.loss_parallel = loss_parallel
         self.cp = cp
 
-    def lm_labels(self, labels: torch.Tensor) -> torch.Tensor:
+    def targets(self, labels: torch.Tensor, position_ids: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """What a micro-batch's objective reads, from its (B, S) labels and the positions / mask the
+        model gets: the labels themselves, or with MTP (B, 2, S): the labels and the MTP targets
+        (``labels[:, t + 1]`` for stream row t, -100 where the row joins two documents or touches
+        padding (no document alone has it), and at the row's end). One tensor with the batch first,
+        so a pipeline schedule splits it into micro-batches like the labels."""
+        if self.mtp_weight <= 0:
+            return labels
+        shifted = torch.full_like(labels, IGNORE_INDEX)
+        shifted[:, :-1] = labels[:, 1:]
+        rows = mtp_stream_rows(position_ids, attention_mask)
+        if rows is not None:
+            shifted[:, :-1].masked_fill_(~rows.to(labels.device), IGNORE_INDEX)
+        return torch.stack([labels, shifted], dim=1)
+
+    def lm_labels(self, targets: torch.Tensor) -> torch.Tensor:
         """The labels this rank's logits predict (its sequence shard under cp)."""
+        labels = targets[:, 0] if targets.dim() == 3 else targets
         return self.cp.take(labels) if self.cp is not None else labels
 
-    def mtp_labels(self, labels: torch.Tensor) -> torch.Tensor:
-        """The MTP targets (``labels[:, t + 1]`` for stream row t) of this rank's stream rows."""
-        shifted = labels[:, 1:]
-        return self.cp.take(shifted, full=labels.shape[1]) if self.cp is not None else shifted
+    def mtp_labels(self, targets: torch.Tensor) -> torch.Tensor:
+        """The MTP targets of this rank's stream rows (plain labels: ``labels[:, t + 1]`` unmasked)."""
+        S = targets.shape[-1]
+        shifted = targets[:, 1, :-1] if targets.dim() == 3 else targets[:, 1:]
+        return self.cp.take(shifted, full=S) if self.cp is not None else shifted
 
     def context(self) -> contextlib.AbstractContextManager:
         """Forward-to-backward context: sharded cross-entropy under loss parallelism."""

@@ -120,7 +120,7 @@ class PipelineStep:
         else:
             rows = {k: torch.cat([mb[k] for mb in micro_batches], dim=_batch_dim(k, micro_batches[0][k])).to(self.device)
                     for k in micro_batches[0]}
-        labels = rows.pop("labels")
+        labels = self.objective.targets(rows.pop("labels"), rows.get("position_ids"), rows.get("attention_mask"))
         input_ids = rows.pop("input_ids")
         if self.pdims.cp > 1 and "position_ids" not in rows:
             # every stage's CP hooks build rotary tables and documents from whole-row positions

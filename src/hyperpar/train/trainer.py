@@ -104,7 +104,8 @@ class Trainer:
         n = len(micro_batches)
         # The aux loss is a per-forward statistic: averaged over every micro-batch of the global
         # batch, which is the same set of micro-batches in any layout with the same micro-batch size.
-        labels = [mb["labels"].to(self.device) for mb in micro_batches]
+        labels = [self.objective.targets(mb["labels"], mb.get("position_ids"), mb.get("attention_mask")).to(self.device)
+                  for mb in micro_batches]
         # Every position the model runs over, labelled or not (padding, masked prompts): what the
         # throughput and the model FLOPs count; ``tokens`` is the labelled ones (the loss's denominator).
         positions = self.loader.global_batch_size * (labels[0].shape[-1] if labels else 0)

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from hyperpar.models.layers.attention import Attention, AttentionCore, attention_core
-from hyperpar.models.layers.documents import Documents
+from hyperpar.models.layers.documents import Documents, mtp_stream_rows
 from hyperpar.models.layers.gated_deltanet import (
     GatedDeltaNet,
     GatedDeltaRule,
@@ -51,6 +51,7 @@ __all__ = [
     "init_param_by_module",
     "local",
     "load_balancing_loss",
+    "mtp_stream_rows",
     "record_router_stats",
     "recurrent_gated_delta_rule",
 ]

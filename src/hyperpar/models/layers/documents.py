@@ -28,6 +28,23 @@ def text_positions(position_ids: torch.Tensor) -> torch.Tensor | None:
     return None
 
 
+def mtp_stream_rows(position_ids: torch.Tensor | None, attention_mask: torch.Tensor | None) -> torch.Tensor | None:
+    """(B, S − 1) bool: the multi-token-prediction stream rows that exist for some document alone. Row t
+    reads token t's hidden state and token t + 1's embedding and predicts token t + 2; it is real
+    when both tokens are real and token t + 1 does not start a document (packed rows, padding
+    edges). None when nothing marks a start or padding (every row is real). No host sync: the
+    objective masks MTP targets with it, the MTP module its router statistics."""
+    keep = None
+    pos = text_positions(position_ids) if position_ids is not None else None
+    if pos is not None:
+        keep = pos[:, 1:] != 0
+    if attention_mask is not None:
+        m = attention_mask.bool()
+        both = m[:, 1:] & m[:, :-1]
+        keep = both if keep is None else keep & both
+    return keep
+
+
 @dataclass(eq=False)
 class Documents:
     """Document layout of a (B, S) batch with at least one row holding two or more documents.

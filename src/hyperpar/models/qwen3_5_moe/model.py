@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from hyperpar.models.layers.cpu_matmul import Linear
-from hyperpar.models.layers import Documents, RMSNorm, SparseMoeBlock, record_router_stats
+from hyperpar.models.layers import Documents, RMSNorm, SparseMoeBlock, mtp_stream_rows, record_router_stats
 from hyperpar.models.output import ModelOutput
 from hyperpar.models.qwen3_5.args import FULL
 from hyperpar.models.qwen3_5.model import Qwen3_5DecoderLayer, Qwen3_5ForCausalLM, Qwen3_5TextModel
@@ -106,9 +106,10 @@ class Qwen3_5MoeMTP(nn.Module):
         B, S = inputs_embeds.shape[:2]
         pos = shift_positions(position_ids, B, S, inputs_embeds.device)
         cos, sin = rotary(pos, inputs_embeds.dtype)
-        # an MTP row is real when both tokens it reads are (after left padding, the first is not)
-        mask = attention_mask[:, 1:] * attention_mask[:, :-1] if attention_mask is not None else None
         doc = Documents.from_positions(position_ids, attention_mask)  # packed rows: see shifted_for_mtp
+        # A row whose two tokens are not both real, or lie in two documents, is left out of the router
+        # statistics (the objective masks its target the same way): no document alone has it.
+        mask = mtp_stream_rows(position_ids, attention_mask) if doc is not None or attention_mask is not None else None
         return self(inputs_embeds, hidden, cos, sin, mask, doc=doc.shifted_for_mtp() if doc is not None else None)
 
 
