@@ -280,3 +280,16 @@ def test_checkpoints_cross_between_cp2_and_fsdp2(tmp_path, source, layout):
     diffs = {k: max(abs(got[s][k] - ref[s][k]) for s in got) for k in ("loss", "aux_loss", "mtp_loss")}
     print(f"{layout} resumed from {source} vs uninterrupted fsdp2:", diffs)
     assert all(d <= 1e-5 for d in diffs.values()), diffs
+
+
+def test_mtp_rows_of_the_last_shard_leave_as_a_copy_not_a_view():
+    """The last cp rank drops its padded MTP row; a view there reached FSDP's root output through the
+    fused head, which warned on every step that in-place ops on it would skip an all-gather."""
+    from types import SimpleNamespace
+
+    from hyperpar.distributed.context_parallel import _SequenceSharding
+
+    out = torch.randn(1, 9, 4, requires_grad=True)
+    for last, rows in ((True, 8), (False, 9)):
+        got = _SequenceSharding(SimpleNamespace(last=last)).mtp_output(None, (), {}, out)
+        assert got.shape[1] == rows and (got._base is None or not last)

@@ -280,7 +280,9 @@ class _SequenceSharding:
         return (embeds, hidden, cos, sin, mask), kwargs
 
     def mtp_output(self, module: nn.Module, args: tuple, kwargs: dict, out: torch.Tensor) -> torch.Tensor:
-        return out[:, :-1] if self.shard.last else out
+        # a copy, not a view: a fused head hands these rows on untouched, and FSDP's root warns
+        # about every view in the model's output (in-place ops on one would skip its all-gather)
+        return out[:, :-1].clone() if self.shard.last else out
 
 
 def apply_context_parallel(model: nn.Module, text_model: nn.Module, parallel_dims,
