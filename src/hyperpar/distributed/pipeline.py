@@ -168,6 +168,9 @@ class StageForward:
             own = pack_stats(RouterStats.pool(sink) if sink else None, E, h.device)
             out.append(own if stats is None else stats + own)
         out += [carry[name] for name in self.pp_carry_out]
+        # Views leave as copies (to_local's stream shard, tensors passed on): FSDP's root warns on
+        # every view in a stage's output, since an in-place op on one would skip its all-gather.
+        out = [t.clone() if t._is_view() else t for t in out]
         return out[0] if len(out) == 1 else tuple(out)
 
     def _forward_with_mtp(self, h, position_ids, attention_mask, token_ids):
@@ -217,8 +220,8 @@ class StageForward:
                                       stats)
         carry: dict[str, torch.Tensor] = {}
         for name in self.pp_carry_out:
-            if name in received:  # passed on (a view: the stage's output keeps its own autograd node)
-                carry[name] = received[name].view_as(received[name])
+            if name in received:  # passed on (a copy, see _send: the stage's output has its own autograd node)
+                carry[name] = received[name].clone()
             elif name == "embeds":
                 carry[name] = embeds.full_tensor() if isinstance(embeds, DTensor) else embeds
             else:  # a DeepStack level this (first) stage computed, dense over the positions
