@@ -186,7 +186,8 @@ def test_save_killed_halfway_resumes_from_previous_complete(single_base, tmp_pat
     assert (ckpts / "latest").read_text().strip() == "step_5"
     assert steps_logged(run) == list(range(1, 11))
     run_small(run, CKPT)  # resume: auto takes step_5, not the half-saved step_10
-    assert steps_logged(run) == list(range(1, 11)) + list(range(6, 21))
+    assert steps_logged(run) == list(range(1, 21))  # the crashed attempt's steps 6-10 moved aside
+    assert [json.loads(x)["step"] for x in (run / "metrics.abandoned.jsonl").read_text().splitlines()] == list(range(6, 11))
     assert records(run) == records(single_base)
     assert [s for s, _ in d.list_complete(ckpts)] == [15, 20]
 

@@ -39,7 +39,8 @@ def test_sigkilled_worker_is_restarted_and_resumes(fsdp2_base, tmp_path):
     log0 = (run / "logs" / "rank_0.log").read_text()
     assert "resumed from" in log0 and "step_5 at step 5" in log0  # ... and the restarted workers resumed
     logged = steps_logged(run)
-    assert logged[:5] == [1, 2, 3, 4, 5] and logged[-15:] == list(range(6, 21)) and logged.count(6) == 2
+    # the killed attempt's step 6 moved aside when the restart resumed from step 5
+    assert logged == list(range(1, 21)) and '"step": 6' in (run / "metrics.abandoned.jsonl").read_text()
     assert records(run) == records(fsdp2_base)  # deduplicated by step: the uninterrupted run, bitwise
 
 

@@ -62,10 +62,11 @@ def test_parity_sweep_all_dp_layouts(tmp_path):
 
 @pytest.mark.slow
 def test_parity_sweep_fails_when_a_job_diverges(tmp_path):
-    """The sweep must be able to fail: a job with another seed is outside tolerance -> non-zero exit."""
+    """The sweep must be able to fail: a job with another seed, compared with the first job (named:
+    unnamed, each seed has its own 1-process baseline), is outside tolerance -> non-zero exit."""
     sweep = tmp_path / "sweep"
     res = run_cli(["-m", "parallel=single", "train.seed=1,2", "train.steps=3", "+experiment=parity",
-                   f"hydra.sweep.dir={sweep}"], cwd=tmp_path, timeout=600)
+                   "parity.baseline='train.seed=1'", f"hydra.sweep.dir={sweep}"], cwd=tmp_path, timeout=600)
     assert res.returncode != 0
     report = json.loads((sweep / "parity.json").read_text())
     assert report["passed"] is False

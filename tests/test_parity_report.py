@@ -31,22 +31,27 @@ def make_run(
     error: str | None = None,
     write_result: bool = True,
     steps: list[int] | None = None,
+    extra: list[str] = (),
+    metrics: dict[int, dict] | None = None,
 ) -> Path:
-    """A job dir as the trainer leaves it inside a sweep dir."""
+    """A job dir as the trainer leaves it inside a sweep dir (``metrics``: per-step fields to add or,
+    as None, drop)."""
     run = root / str(num)
     (run / ".hydra").mkdir(parents=True)
-    overrides = [f"parallel={parallel}", "+experiment=parity"]
+    overrides = [f"parallel={parallel}", "+experiment=parity", *extra]
     (run / ".hydra" / "overrides.yaml").write_text("".join(f"- {o}\n" for o in overrides))
     steps = steps or list(range(1, len(losses) + 1))
     with (run / "metrics.jsonl").open("w") as f:
         for step, loss in zip(steps, losses):
             rec = {"step": step, "loss": loss, "grad_norm": 1.0, "lr": 1e-3, "tokens": 64,
                    "tokens_per_s": 1000.0, "step_time_s": 0.064, "peak_mem_mb": 10.0, "mfu": 0.0}
+            rec.update((metrics or {}).get(step, {}))
+            rec = {k: v for k, v in rec.items() if v is not None}
             f.write(json.dumps(rec) + "\n")
     if write_result:
         result = {"status": status, "error": error, "job_name": "hyperpar", "overrides": overrides,
                   "parallel": parallel, "world_size": 1 if parallel == "single" else world_size,
-                  "param_dtype": dtype, "steps": len(losses), "seed": 0}
+                  "param_dtype": dtype, "steps": len(LOSSES), "seed": 0}
         (run / "result.json").write_text(json.dumps(result))
     return run
 
@@ -242,3 +247,80 @@ def test_tolerance_step_settings_compose() -> None:
     for bad in ("abc", "-1", "true"):
         with pytest.raises(ConfigError, match="parity.tolerance_step"):
             check_values(compose_cfg(["+experiment=parity", f"parity.tolerance_step={bad}"]), warn=False)
+
+
+# ---- what a report must not pass --------------------------------------------------------------------
+
+
+def test_a_job_missing_steps_or_skipping_others_fails(tmp_path: Path) -> None:
+    """Parity is over the whole run: a job that logged fewer steps (a metrics file cut short, mixed
+    runs), skipped other steps or left an unreadable line proves nothing about the rest."""
+    make_run(tmp_path, 0, "single")
+    make_run(tmp_path, 1, "ddp2", LOSSES[:3])
+    make_run(tmp_path, 2, "fsdp2", metrics={2: {"skipped": 1, "loss": None}})
+    run = make_run(tmp_path, 3, "hsdp2x2")
+    with (run / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 6, "loss": 1.6')  # cut short by a crash
+    result = compare(tmp_path)
+    assert "logged steps differ from the baseline's: missing steps 4, 5" in row(result, "ddp2").reasons
+    assert "skipped steps 2 against the baseline's none" in row(result, "fsdp2").reasons
+    assert "1 unreadable metrics line(s)" in row(result, "hsdp2x2").reasons
+
+
+def test_grad_norm_and_the_aux_and_mtp_losses_are_compared_per_step(tmp_path: Path) -> None:
+    mtp = {s: {"mtp_loss": 3.0, "aux_loss": 0.01} for s in range(1, 6)}
+    make_run(tmp_path, 0, "single", metrics=mtp)
+    make_run(tmp_path, 1, "ddp2", metrics={**mtp, 4: {"mtp_loss": 3.1, "aux_loss": 0.01}})
+    make_run(tmp_path, 2, "fsdp2", metrics={**mtp, 2: {"mtp_loss": 3.0, "aux_loss": 0.01, "grad_norm": 1.01}})
+    make_run(tmp_path, 3, "hsdp2x2")  # no MTP at all: another objective
+    make_run(tmp_path, 4, "tp2", metrics={**mtp, 3: {"mtp_loss": 3.0, "aux_loss": 0.01, "grad_norm": 1.00005}})
+    result = compare(tmp_path)
+    assert any(r.startswith("mtp_loss: max |Δstep| 1.000e-01 at step 4") for r in row(result, "ddp2").reasons)
+    assert any(r.startswith("grad_norm: max relative |Δstep| 1.000e-02 at step 2") for r in row(result, "fsdp2").reasons)
+    assert "aux_loss logged by the baseline only" in row(result, "hsdp2x2").reasons
+    assert row(result, "tp2").passed  # 5e-5 relative: within fp32's reduction-order rounding
+
+
+def test_each_layout_is_compared_with_the_one_process_job_of_its_own_setting(tmp_path: Path) -> None:
+    """A second sweep axis (here the seed) makes groups: every layout against its own `single`."""
+    other = [v + 0.5 for v in LOSSES]
+    make_run(tmp_path, 0, "single", extra=["train.seed=1"])
+    make_run(tmp_path, 1, "single", other, extra=["train.seed=2"])
+    make_run(tmp_path, 2, "ddp2", extra=["train.seed=1"])
+    make_run(tmp_path, 3, "ddp2", other, extra=["train.seed=2"])
+    result = compare(tmp_path)
+    assert result.passed and [r.baseline for r in result.rows] == ["parallel=single,train.seed=1",
+                                                                   "parallel=single,train.seed=2"] * 2
+    # a group without a 1-process job, or a sweep of one job, proves nothing: bad input, not a pass
+    from hyperpar.parity.runs import ParityInputError
+
+    make_run(tmp_path, 4, "fsdp2", extra=["train.seed=3"])
+    with pytest.raises(ParityInputError, match="no 1-process job trains the same experiment as"):
+        compare(tmp_path)
+    assert compare(tmp_path, baseline="0").rows[4].baseline == "parallel=single,train.seed=1"  # named: the user's call
+    lone = tmp_path / "lone"
+    make_run(lone, 0, "single")
+    with pytest.raises(ParityInputError, match="nothing to compare"):
+        compare(lone)
+
+
+def test_the_callback_leaves_out_job_dirs_of_an_earlier_sweep(tmp_path: Path, capsys, monkeypatch) -> None:
+    monkeypatch.delenv("RANK", raising=False)
+    make_run(tmp_path, 0, "single")
+    make_run(tmp_path, 1, "ddp2")
+    old = make_run(tmp_path, 2, "fsdp2", with_offset(2, 1.0))  # an earlier sweep's job 2, failing
+    for p in [old, *old.rglob("*")]:
+        os.utime(p, (1e9, 1e9))
+    callback = ParityCallback()
+    callback.on_multirun_start(sweep_config(tmp_path))
+    callback.on_multirun_end(sweep_config(tmp_path))  # passes: the stale job is not this sweep's
+    assert "left out 1 job dir(s) an earlier sweep left" in capsys.readouterr().err
+
+
+def test_a_fresh_run_in_a_used_dir_moves_the_old_records_aside(tmp_path: Path) -> None:
+    from hyperpar.train.metrics import MetricsWriter
+
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in (1, 2, 3)))
+    MetricsWriter(tmp_path, rank=0, total_steps=2, start_step=1, progress_bar=False).close()
+    assert [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1]
+    assert len((tmp_path / "metrics.abandoned.jsonl").read_text().splitlines()) == 2

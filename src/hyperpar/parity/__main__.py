@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from hyperpar.parity.compare import DEFAULT_TOLERANCE_MEAN, StepTolerance
-from hyperpar.parity.report import build_report, markdown_table
+from hyperpar.parity.report import build_report, console_summary
 from hyperpar.parity.runs import ParityInputError, find_run_dirs
 
 
@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     except ParityInputError as e:
         print(e.one_line(), file=sys.stderr)
         return 2
-    print(markdown_table(result))
+    print(console_summary(result))
     print()
     print(f"report: {result.outputs['md']}")
     print(result.summary)

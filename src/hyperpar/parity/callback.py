@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 import traceback
 from pathlib import Path
 from typing import Any
@@ -19,11 +20,19 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from hyperpar.parity.compare import DEFAULT_TOLERANCE_MEAN, StepTolerance
-from hyperpar.parity.report import build_report, markdown_table
+from hyperpar.parity.report import build_report, console_summary
 from hyperpar.parity.runs import ParityInputError, job_dirs
 
 # Exit code when the report itself could not be built: distinct from 1 (jobs failed/diverged).
 EXIT_BAD_INPUT = 2
+
+
+def _job_started(job_dir: Path) -> float:
+    """When a job of this dir last started: Hydra writes .hydra/ at every job's start."""
+    for marker in (job_dir / ".hydra" / "overrides.yaml", job_dir / "result.json", job_dir / "metrics.jsonl"):
+        if marker.exists():
+            return marker.stat().st_mtime
+    return job_dir.stat().st_mtime
 
 
 def _is_rank_zero() -> bool:
@@ -84,12 +93,16 @@ class ParityCallback(Callback):
         self.tolerance_mean = tolerance_mean
         self.tolerance_step = tolerance_step
         self.baseline = baseline
+        self._started: float | None = None  # this sweep's start: job dirs older than it are an earlier sweep's
 
     def _setting(self, config: DictConfig, name: str) -> Any:
         value = getattr(self, name)
         if value is None:
             value = OmegaConf.select(config, f"parity.{name}", default=None)
         return value
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        self._started = time.time()
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         # `parity.enabled=false` lets a user rerun the experiment's sweep without the verdict.
@@ -101,6 +114,12 @@ class ParityCallback(Callback):
             if tolerance_mean is None:
                 tolerance_mean = DEFAULT_TOLERANCE_MEAN
             runs = job_dirs(sweep_dir)
+            if self._started is not None:
+                stale = [p for p in runs if _job_started(p) < self._started - 1.0]
+                if stale:
+                    print(f"parity: left out {len(stale)} job dir(s) an earlier sweep left in {sweep_dir} "
+                          f"({', '.join(p.name for p in stale)})", file=sys.stderr, flush=True)
+                    runs = [p for p in runs if p not in stale]
             if not runs:
                 raise ParityInputError(f"no job dirs found in sweep dir {sweep_dir}")
             result = build_report(
@@ -120,7 +139,7 @@ class ParityCallback(Callback):
             traceback.print_exc()
             raise SystemExit(EXIT_BAD_INPUT) from None
 
-        print(markdown_table(result), flush=True)
+        print(console_summary(result), flush=True)
         print(f"parity report: {result.outputs['md']} (+ .json, .png)", flush=True)
         print(result.summary, flush=True)
         if not result.passed:

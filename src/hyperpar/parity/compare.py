@@ -16,6 +16,13 @@ from hyperpar.parity.runs import ParityInputError, RunRecord
 
 DEFAULT_TOLERANCE_MEAN = 5e-3
 DEFAULT_TOLERANCE_STEP = 1e-5
+# grad_norm (before clipping) is checked per step where the loss is, relative to the baseline's: it
+# sums the squares of every gradient, reduced in another order by each layout (measured ~1e-6
+# relative in fp32); a missing or doubled gradient shard moves it by percents.
+GRAD_NORM_RTOL = 1e-4
+AUX_KEYS = ("aux_loss", "mtp_loss")  # compared like the loss, per step
+# Overrides that choose the layout, not the experiment: jobs differing only in these share a baseline.
+_LAYOUT_KEYS = ("parallel", "launch", "hydra")
 BF16 = "bfloat16"
 
 StepTolerance = float | None | Literal["auto"]
@@ -27,6 +34,7 @@ class JobRow:
 
     name: str
     label: str
+    baseline: str  # the label of the job this one is compared with
     path: str
     parallel: str | None
     world_size: int | None
@@ -92,6 +100,46 @@ class ParityResult:
         return f"FAIL: {k} of {n} jobs failed or outside tolerance ({names})"
 
 
+def _experiment_key(r: RunRecord) -> tuple[str, ...]:
+    """What a job trains, apart from its layout: the overrides that are not layout keys (result.json's
+    seed, model and steps are checked against the baseline's in each row, where both are known)."""
+    def layout(o: str) -> bool:
+        key = o.lstrip("+~").partition("=")[0]
+        return any(key == k or key.startswith(k + ".") for k in _LAYOUT_KEYS)
+
+    return tuple(sorted(o for o in r.overrides if not layout(o)))
+
+
+def _is_one_process(r: RunRecord) -> bool:
+    return r.parallel == "single" or r.world_size == 1
+
+
+def baselines(records: list[RunRecord], baseline: str | None) -> dict[int, RunRecord]:
+    """For every record (by index), the record it is compared with: the named job for all, else the
+    1-process job training the same experiment (the same overrides apart from the layout). A sweep over a second axis (dtype, seed, ...) thus compares each
+    layout with the 1-process job of its own setting."""
+    if len(records) < 2:
+        raise ParityInputError(f"{len(records)} job: nothing to compare",
+                               hint="sweep a 1-process job and the layouts to check, e.g. -m parallel=single,fsdp2")
+    if baseline is not None:
+        base = select_baseline(records, baseline)
+        return {i: base for i in range(len(records))}
+    groups: dict[tuple, list[int]] = {}
+    for i, r in enumerate(records):
+        groups.setdefault(_experiment_key(r), []).append(i)
+    out: dict[int, RunRecord] = {}
+    for members in groups.values():
+        single = [records[i] for i in members if _is_one_process(records[i])]
+        if not single:
+            labels = ", ".join(records[i].label for i in members)
+            raise ParityInputError(f"no 1-process job trains the same experiment as {labels}",
+                                   hint="add parallel=single to the sweep (with the same other overrides), "
+                                        "or name a job with parity.baseline / --baseline")
+        for i in members:
+            out[i] = single[0]
+    return out
+
+
 def select_baseline(records: list[RunRecord], baseline: str | None) -> RunRecord:
     """The named job, else the 1-process job, else the first job."""
     if baseline is not None:
@@ -154,14 +202,16 @@ def compare_runs(
         raise ParityInputError("no runs to compare")
     _check_tolerance("tolerance_mean", tolerance_mean)
     step_bound, mode = resolve_step_tolerance(tolerance_step)
-    base = select_baseline(records, baseline)
-    base_losses = base.losses
+    bases = baselines(records, baseline)
     rows = [
-        _compare_one(r, base, base_losses, float(tolerance_mean), step_bound, mode) for r in records
+        _compare_one(r, bases[i], bases[i].losses, float(tolerance_mean), step_bound, mode)
+        for i, r in enumerate(records)
     ]
+    used = list(dict.fromkeys(id(b) for b in bases.values()))
+    chosen = [next(b for b in bases.values() if id(b) == u) for u in used]
     return ParityResult(
-        baseline=base.label,
-        baseline_name=base.name,
+        baseline=", ".join(b.label for b in chosen),
+        baseline_name=", ".join(b.name for b in chosen),
         tolerance_mean=float(tolerance_mean),
         tolerance_step=step_bound,
         tolerance_step_mode=mode,
@@ -219,10 +269,14 @@ def _compare_one(
                 reasons.append(f"max |Δstep| {max_diff:.3e} at step {max_step} > {row_bound:.1e}")
     elif not losses and not run.failed:
         reasons.append("the baseline logged no steps")
+    reasons += _completeness(run, base, is_baseline)
+    if not is_baseline and common and row_bound is not None:
+        reasons += _other_metrics(run, base, common, row_bound)
 
     return JobRow(
         name=run.name,
         label=run.label,
+        baseline=base.label,
         path=str(run.path),
         parallel=run.parallel,
         world_size=run.world_size,
@@ -247,3 +301,68 @@ def _compare_one(
         peak_mem_mb_max=_metric(run, "peak_mem_mb", "max"),
         reasons=reasons,
     )
+
+
+def _steps_text(steps: set[int]) -> str:
+    shown = sorted(steps)
+    return ", ".join(map(str, shown[:5])) + (f" (+{len(shown) - 5} more)" if len(shown) > 5 else "")
+
+
+def _completeness(run: RunRecord, base: RunRecord, is_baseline: bool) -> list[str]:
+    """A job proves parity only over the whole run: every step the baseline logged (a job that
+    stopped early, a metrics file cut short or mixed with another run's records does not)."""
+    reasons: list[str] = []
+    if run.skipped_lines:
+        reasons.append(f"{run.skipped_lines} unreadable metrics line(s)")
+    if (not run.failed and run.final_step is not None and run.planned_steps is not None
+            and run.final_step != run.planned_steps):
+        reasons.append(f"ended at step {run.final_step} of {run.planned_steps}")
+    if is_baseline or run.failed:
+        return reasons
+    mine, theirs = set(run.metrics), set(base.metrics)
+    if mine != theirs:
+        parts = [f"missing steps {_steps_text(theirs - mine)}" if theirs - mine else "",
+                 f"extra steps {_steps_text(mine - theirs)}" if mine - theirs else ""]
+        reasons.append("logged steps differ from the baseline's: " + "; ".join(p for p in parts if p))
+    if run.skipped_steps != base.skipped_steps:
+        reasons.append(f"skipped steps {_steps_text(run.skipped_steps) or 'none'} against the baseline's "
+                       f"{_steps_text(base.skipped_steps) or 'none'}")
+    for what, mine_v, theirs_v in (("seed", run.seed, base.seed), ("model", run.model, base.model),
+                                   ("train.steps", run.planned_steps, base.planned_steps)):
+        if mine_v is not None and theirs_v is not None and mine_v != theirs_v:
+            reasons.append(f"not comparable: {what} {mine_v} against the baseline's {theirs_v}")
+    return reasons
+
+
+def _other_metrics(run: RunRecord, base: RunRecord, common: list[int], bound: float) -> list[str]:
+    """The aux and MTP losses per step within the loss's bound; grad_norm within GRAD_NORM_RTOL of
+    the baseline's. A key one run logs and the other does not is a different objective."""
+    reasons: list[str] = []
+    for key in (*AUX_KEYS, "grad_norm"):
+        mine = [run.metrics[s].get(key) for s in common]
+        theirs = [base.metrics[s].get(key) for s in common]
+        have, want = any(v is not None for v in mine), any(v is not None for v in theirs)
+        if have != want:
+            reasons.append(f"{key} logged by {'this job' if have else 'the baseline'} only")
+            continue
+        if not have:
+            continue
+        worst, at = -1.0, None
+        for s, a, b in zip(common, mine, theirs):
+            d = abs(_as_num(a) - _as_num(b))
+            if key == "grad_norm":
+                d /= max(abs(_as_num(b)), 1e-12)
+            if math.isnan(d) or d > worst:
+                worst, at = (math.inf if math.isnan(d) else d), s
+        limit = GRAD_NORM_RTOL if key == "grad_norm" else bound
+        if not (worst <= limit):
+            kind = "relative " if key == "grad_norm" else ""
+            reasons.append(f"{key}: max {kind}|Δstep| {worst:.3e} at step {at} > {limit:.1e}")
+    return reasons
+
+
+def _as_num(value) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return math.nan

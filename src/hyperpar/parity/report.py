@@ -81,10 +81,24 @@ def tolerance_lines(result: ParityResult) -> list[str]:
         step = f"{result.tolerance_step:.1e} for fp32 jobs; n/a for bf16 jobs (mean only)"
     else:
         step = f"{result.tolerance_step:.1e} (set explicitly, all jobs)"
+    from hyperpar.parity.compare import AUX_KEYS, GRAD_NORM_RTOL
+
     return [
         f"- mean loss over compared steps: |Δmean| ≤ {result.tolerance_mean:.1e}",
         f"- per step: max |Δstep| ≤ {step}",
+        f"- where the per-step check runs: {' and '.join(AUX_KEYS)} within the same bound, grad_norm within "
+        f"{GRAD_NORM_RTOL:.0e} relative",
+        "- every job logs the baseline's steps (and skips the same ones); each layout is compared with the "
+        "1-process job of its own experiment (the same overrides apart from parallel/launch)",
     ]
+
+
+def console_summary(result: ParityResult) -> str:
+    """What a sweep prints: the table, the tolerances in force, why each failed job failed."""
+    lines = [markdown_table(result), "tolerances:", *tolerance_lines(result)]
+    for r in result.failed_rows:
+        lines.append(f"FAIL {r.label}: {_one_line('; '.join(r.reasons))}")
+    return "\n".join(lines)
 
 
 def markdown_table(result: ParityResult) -> str:
@@ -117,7 +131,7 @@ def render_markdown(result: ParityResult) -> str:
         "# Parity report",
         "",
         f"Baseline: `{base}` (job dir `{result.baseline_name}`). Every other job's loss is "
-        "compared with the baseline's over the steps both logged.",
+        "compared with its baseline's at every step.",
         "",
         "Tolerances:",
         *tolerance_lines(result),

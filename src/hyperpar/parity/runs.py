@@ -46,11 +46,20 @@ class RunRecord:
     metrics: dict[int, dict[str, Any]] = field(default_factory=dict)
     skipped_lines: int = 0  # unparseable metrics lines (e.g. a line cut short by a crash)
     label: str = ""  # filled by label_runs: what tells this job apart from the others
+    # from result.json: the step the run ended at, and what it was asked for (None: not recorded)
+    final_step: int | None = None
+    planned_steps: int | None = None
+    seed: int | None = None
+    model: str | None = None
 
     @property
     def losses(self) -> dict[int, float]:
         # A skipped step (its global batch had no labelled token) has no loss to compare.
         return {step: _as_float(rec.get("loss")) for step, rec in self.metrics.items() if "skipped" not in rec}
+
+    @property
+    def skipped_steps(self) -> set[int]:
+        return {step for step, rec in self.metrics.items() if "skipped" in rec}
 
     @property
     def failed(self) -> bool:
@@ -144,7 +153,15 @@ def read_run(run_dir: Path) -> RunRecord:
         job_name=result.get("job_name"),
         metrics=metrics,
         skipped_lines=skipped,
+        final_step=_as_int(result.get("step")),
+        planned_steps=_as_int(result.get("steps")),
+        seed=_as_int(result.get("seed")),
+        model=str(result["model"]) if result.get("model") is not None else None,
     )
+
+
+def _as_int(value: Any) -> int | None:
+    return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
 def is_run_dir(path: Path) -> bool:

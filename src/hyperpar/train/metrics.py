@@ -85,6 +85,12 @@ class MetricsWriter:
         self._tb = None
         if not self.active:
             return
+        # Records past the step this run starts from belong to a trajectory it does not continue (a
+        # fresh run in a used dir, a restart from an earlier checkpoint): readers would mix them in.
+        moved = retire_records_after(self.run_dir, start_step)
+        if moved:
+            log.warning("metrics: %d records after step %d, from an earlier run in this dir, moved to "
+                        "metrics.abandoned.jsonl", moved, start_step)
         self._file = open(self.run_dir / "metrics.jsonl", "a", buffering=1)
         if progress_bar and os.environ.get("HYPERPAR_NO_BAR") != "1":  # the variable: log lines instead (CI, tests)
             from tqdm import tqdm
