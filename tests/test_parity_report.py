@@ -106,12 +106,16 @@ def test_bf16_skips_per_step_check_unless_set_explicitly(tmp_path: Path) -> None
     result = build_report(find_run_dirs([tmp_path]), tmp_path)
 
     assert result.passed
-    assert row(result, "fsdp2").step_check == "n/a (bf16)"
-    assert "n/a (bf16)" in (tmp_path / "parity.md").read_text()
+    assert row(result, "fsdp2").step_check == "bf16: gross only"
+    assert "bf16: gross only" in (tmp_path / "parity.md").read_text()
     assert not compare(tmp_path, tolerance_step=1e-5).passed
     # The bf16 contract still bounds the mean.
     make_run(tmp_path, 2, "ddp2", [v + 1e-2 for v in LOSSES], dtype="bfloat16")
     assert row(compare(tmp_path), "ddp2").verdict == "FAIL"
+    # ... and per step, gross errors that would cancel in the mean
+    make_run(tmp_path, 3, "tp2", [v + d for v, d in zip(LOSSES, (0.3, -0.3, 0, 0, 0))], dtype="bfloat16")
+    tp2 = row(compare(tmp_path), "tp2")
+    assert tp2.mean_diff < 1e-6 and tp2.verdict == "FAIL" and tp2.reasons[0].startswith("max |Δstep| 3.000e-01 at step")
 
 
 def test_failed_job_fails_report_and_shows_its_error(tmp_path: Path) -> None:

@@ -39,7 +39,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="bound on |mean loss - baseline mean loss| (default: %(default)g)")
     p.add_argument("--tolerance-step", type=_step_tolerance, default="auto",
                    help="bound on per-step |loss - baseline loss|; 'none' turns the check off "
-                   "(default: auto = 1e-5, skipped for bf16 jobs)")
+                   "(default: auto = 1e-5, 2e-2 for bf16 jobs)")
     p.add_argument("--out", type=Path, default=None,
                    help="where to write the report (default: the sweep dir, else the current dir)")
     return p

@@ -2,7 +2,8 @@
 
 The contract (docs/guide/parity.md, DESIGN.md "Numerics contract"): fp32 runs must match the
 1-process run per step within 1e-5; bf16 runs only promise the mean loss over the compared
-steps within 5e-3, because bf16 rounding differs with the reduction order of each layout.
+steps within 5e-3 (and no step grossly off), because bf16 rounding differs with the reduction
+order of each layout.
 """
 
 from __future__ import annotations
@@ -20,6 +21,9 @@ DEFAULT_TOLERANCE_STEP = 1e-5
 # sums the squares of every gradient, reduced in another order by each layout (measured ~1e-6
 # relative in fp32); a missing or doubled gradient shard moves it by percents.
 GRAD_NORM_RTOL = 1e-4
+# bf16 jobs in "auto" mode: per step only gross differences fail (measured bf16 spreads to `single`:
+# 1e-4..3e-4 dense, up to 1.2e-3 MoE), so opposite errors cannot cancel in the mean.
+BF16_GROSS_STEP = 2e-2
 AUX_KEYS = ("aux_loss", "mtp_loss")  # compared like the loss, per step
 # Overrides that choose the layout, not the experiment: jobs differing only in these share a baseline.
 _LAYOUT_KEYS = ("parallel", "launch", "hydra")
@@ -54,7 +58,7 @@ class JobRow:
     step_diffs: list[float]  # |loss - baseline loss| per compared step
     compared_steps: list[int]
     tolerance_step: float | None  # the per-step bound applied to this job; None = not checked
-    step_check: str  # "checked", "n/a (bf16)" or "off"
+    step_check: str  # "checked", "bf16: gross only" or "off"
     tokens_per_s_mean: float | None
     peak_mem_mb_max: float | None
     reasons: list[str] = field(default_factory=list)  # why it failed; empty when it passed
@@ -78,7 +82,7 @@ class ParityResult:
     baseline_name: str
     tolerance_mean: float
     tolerance_step: float | None  # the fp32 per-step bound; None when the check is off
-    tolerance_step_mode: str  # "auto" (skipped for bf16 jobs), "explicit" or "off"
+    tolerance_step_mode: str  # "auto" (a gross bound for bf16 jobs), "explicit" or "off"
     rows: list[JobRow]
     outputs: dict[str, Path] = field(default_factory=dict)  # "md"/"json"/"png" -> written file
 
@@ -235,8 +239,8 @@ def _compare_one(
         reasons.append(f"job failed: {run.error}")
 
     bf16 = BF16 in (run.param_dtype, base.param_dtype)
-    if mode == "auto" and bf16:
-        row_bound, step_check = None, "n/a (bf16)"
+    if mode == "auto" and bf16:  # the mean is the contract; the loose bound catches errors that cancel in it
+        row_bound, step_check = BF16_GROSS_STEP, "bf16: gross only"
     elif step_bound is None:
         row_bound, step_check = None, "off"
     else:
@@ -270,7 +274,7 @@ def _compare_one(
     elif not losses and not run.failed:
         reasons.append("the baseline logged no steps")
     reasons += _completeness(run, base, is_baseline)
-    if not is_baseline and common and row_bound is not None:
+    if not is_baseline and common and step_check == "checked":
         reasons += _other_metrics(run, base, common, row_bound)
 
     return JobRow(
