@@ -161,3 +161,33 @@ def test_small_gemms_stay_on_the_blas(policy, monkeypatch):
 def test_bad_policy():
     with pytest.raises(ValueError, match="cpu_gemm='mkl'"):
         onednn_gemm.set_policy("mkl")
+
+
+def test_fused_head_loss_through_onednn_matches_fp64(policy, monkeypatch):
+    """The fused head's chunks (several, the last one short) through oneDNN: loss and both gradients
+    as close to fp64 as the BLAS path's; the weight gradient is formed as (hᵀ p)ᵀ, so p is never
+    copied transposed."""
+    from hyperpar.train import cross_entropy as ce
+
+    monkeypatch.setattr(ce, "_head_rows", lambda vocab, device: 40)
+    torch.manual_seed(0)
+    h0, w0 = torch.randn(100, 48), torch.randn(700, 48) * 0.3
+    y = torch.randint(0, 700, (100,))
+    y[::7] = -100
+
+    def run(dtype):
+        h, w = h0.to(dtype, copy=True).requires_grad_(), w0.to(dtype, copy=True).requires_grad_()
+        if dtype == torch.float64:
+            loss = torch.nn.functional.cross_entropy(h @ w.t(), y, ignore_index=-100, reduction="sum")
+        else:
+            loss = ce.linear_cross_entropy_sum(h, w, y, 0.5)
+        (loss * 0.5).backward()
+        return loss.detach(), h.grad, w.grad
+
+    policy("onednn")
+    got = run(torch.float32)
+    policy("blas")
+    blas = run(torch.float32)
+    ref = run(torch.float64)
+    for name, a, b, r in zip(("loss", "dh", "dw"), got, blas, ref):
+        assert _rel(a, r) <= max(4 * _rel(b, r), 1e-6), (name, _rel(a, r), _rel(b, r))
