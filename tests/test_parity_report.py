@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -310,14 +311,15 @@ def test_each_layout_is_compared_with_the_one_process_job_of_its_own_setting(tmp
 
 def test_the_callback_leaves_out_job_dirs_of_an_earlier_sweep(tmp_path: Path, capsys, monkeypatch) -> None:
     monkeypatch.delenv("RANK", raising=False)
-    make_run(tmp_path, 0, "single")
-    make_run(tmp_path, 1, "ddp2")
-    old = make_run(tmp_path, 2, "fsdp2", with_offset(2, 1.0))  # an earlier sweep's job 2, failing
-    for p in [old, *old.rglob("*")]:
-        os.utime(p, (1e9, 1e9))
+    make_run(tmp_path, 0, "single", with_offset(2, 1.0))  # an earlier sweep's jobs 0 and 2
+    make_run(tmp_path, 2, "fsdp2", with_offset(2, 1.0))
     callback = ParityCallback()
     callback.on_multirun_start(sweep_config(tmp_path))
-    callback.on_multirun_end(sweep_config(tmp_path))  # passes: the stale job is not this sweep's
+    shutil.rmtree(tmp_path / "0")  # this sweep's jobs 0 and 1 (Hydra rewrites a reused job dir)
+    make_run(tmp_path, 0, "single")
+    make_run(tmp_path, 1, "ddp2")
+    os.utime(tmp_path / "0" / ".hydra" / "overrides.yaml", (1e9, 1e9))  # file times, not this host's clock
+    callback.on_multirun_end(sweep_config(tmp_path))  # passes: the stale job 2 is not this sweep's
     assert "left out 1 job dir(s) an earlier sweep left" in capsys.readouterr().err
 
 

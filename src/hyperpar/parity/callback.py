@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 import traceback
 from pathlib import Path
 from typing import Any
@@ -93,7 +92,8 @@ class ParityCallback(Callback):
         self.tolerance_mean = tolerance_mean
         self.tolerance_step = tolerance_step
         self.baseline = baseline
-        self._started: float | None = None  # this sweep's start: job dirs older than it are an earlier sweep's
+        # job dir -> when it last started, as the sweep began: one still so at its end is an earlier sweep's
+        self._before: dict[str, float] | None = None
 
     def _setting(self, config: DictConfig, name: str) -> Any:
         value = getattr(self, name)
@@ -102,7 +102,10 @@ class ParityCallback(Callback):
         return value
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        self._started = time.time()
+        # File times against file times (no clock of this host): on a shared filesystem the jobs'
+        # writers may run on other nodes.
+        sweep_dir = OmegaConf.select(config, "hydra.sweep.dir", default=None)
+        self._before = {p.name: _job_started(p) for p in job_dirs(Path(sweep_dir))} if sweep_dir else {}
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         # `parity.enabled=false` lets a user rerun the experiment's sweep without the verdict.
@@ -114,8 +117,8 @@ class ParityCallback(Callback):
             if tolerance_mean is None:
                 tolerance_mean = DEFAULT_TOLERANCE_MEAN
             runs = job_dirs(sweep_dir)
-            if self._started is not None:
-                stale = [p for p in runs if _job_started(p) < self._started - 1.0]
+            if self._before is not None:
+                stale = [p for p in runs if self._before.get(p.name) == _job_started(p)]
                 if stale:
                     print(f"parity: left out {len(stale)} job dir(s) an earlier sweep left in {sweep_dir} "
                           f"({', '.join(p.name for p in stale)})", file=sys.stderr, flush=True)
