@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from hyperpar.parity.runs import ParityInputError, RunRecord
+from hyperpar.parity.runs import ParityInputError, RunRecord, as_float
 
 DEFAULT_TOLERANCE_MEAN = 5e-3
 DEFAULT_TOLERANCE_STEP = 1e-5
@@ -120,8 +120,9 @@ def _is_one_process(r: RunRecord) -> bool:
 
 def baselines(records: list[RunRecord], baseline: str | None) -> dict[int, RunRecord]:
     """For every record (by index), the record it is compared with: the named job for all, else the
-    1-process job training the same experiment (the same overrides apart from the layout). A sweep over a second axis (dtype, seed, ...) thus compares each
-    layout with the 1-process job of its own setting."""
+    1-process job training the same experiment (the same overrides apart from the layout). A sweep
+    over a second axis (dtype, seed, ...) thus compares each layout with the 1-process job of its
+    own setting."""
     if len(records) < 2:
         raise ParityInputError(f"{len(records)} job: nothing to compare",
                                hint="sweep a 1-process job and the layouts to check, e.g. -m parallel=single,fsdp2")
@@ -144,24 +145,19 @@ def baselines(records: list[RunRecord], baseline: str | None) -> dict[int, RunRe
     return out
 
 
-def select_baseline(records: list[RunRecord], baseline: str | None) -> RunRecord:
-    """The named job, else the 1-process job, else the first job."""
-    if baseline is not None:
-        for attr in ("name", "label"):
-            hits = [r for r in records if getattr(r, attr) == baseline]
-            if len(hits) == 1:
-                return hits[0]
-        # Let a user say "single" or "parallel=single" instead of the exact label.
-        hits = [r for r in records if r.parallel == baseline or baseline in r.overrides]
+def select_baseline(records: list[RunRecord], baseline: str) -> RunRecord:
+    """The job a user named: a dir name, a label, a parallel name or one of its overrides."""
+    for attr in ("name", "label"):
+        hits = [r for r in records if getattr(r, attr) == baseline]
         if len(hits) == 1:
             return hits[0]
-        known = ", ".join(f"{r.name} ({r.label})" for r in records)
-        what = "matches more than one job" if hits else "matches no job"
-        raise ParityInputError(f"baseline {baseline!r} {what}", hint=f"jobs: {known}")
-    for r in records:
-        if r.parallel == "single" or r.world_size == 1:
-            return r
-    return records[0]
+    # Let a user say "single" or "parallel=single" instead of the exact label.
+    hits = [r for r in records if r.parallel == baseline or baseline in r.overrides]
+    if len(hits) == 1:
+        return hits[0]
+    known = ", ".join(f"{r.name} ({r.label})" for r in records)
+    what = "matches more than one job" if hits else "matches no job"
+    raise ParityInputError(f"baseline {baseline!r} {what}", hint=f"jobs: {known}")
 
 
 def resolve_step_tolerance(tolerance_step: StepTolerance) -> tuple[float | None, str]:
@@ -211,8 +207,7 @@ def compare_runs(
         _compare_one(r, bases[i], bases[i].losses, float(tolerance_mean), step_bound, mode)
         for i, r in enumerate(records)
     ]
-    used = list(dict.fromkeys(id(b) for b in bases.values()))
-    chosen = [next(b for b in bases.values() if id(b) == u) for u in used]
+    chosen = list({id(b): b for b in bases.values()}.values())  # each baseline once, in job order
     return ParityResult(
         baseline=", ".join(b.label for b in chosen),
         baseline_name=", ".join(b.name for b in chosen),
@@ -353,9 +348,9 @@ def _other_metrics(run: RunRecord, base: RunRecord, common: list[int], bound: fl
             continue
         worst, at = -1.0, None
         for s, a, b in zip(common, mine, theirs):
-            d = abs(_as_num(a) - _as_num(b))
+            d = abs(as_float(a) - as_float(b))
             if key == "grad_norm":
-                d /= max(abs(_as_num(b)), 1e-12)
+                d /= max(abs(as_float(b)), 1e-12)
             if math.isnan(d) or d > worst:
                 worst, at = (math.inf if math.isnan(d) else d), s
         limit = GRAD_NORM_RTOL if key == "grad_norm" else bound
@@ -363,10 +358,3 @@ def _other_metrics(run: RunRecord, base: RunRecord, common: list[int], bound: fl
             kind = "relative " if key == "grad_norm" else ""
             reasons.append(f"{key}: max {kind}|Δstep| {worst:.3e} at step {at} > {limit:.1e}")
     return reasons
-
-
-def _as_num(value) -> float:
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        return math.nan

@@ -91,7 +91,7 @@ def tolerance_lines(result: ParityResult) -> list[str]:
         f"- where the fp32 per-step check runs: {' and '.join(AUX_KEYS)} within the same bound, grad_norm within "
         f"{GRAD_NORM_RTOL:.0e} relative",
         "- every job logs the baseline's steps (and skips the same ones); each layout is compared with the "
-        "1-process job of its own experiment (the same overrides apart from parallel/launch)",
+        "1-process job of its own experiment (the same overrides apart from parallel/launch/hydra)",
     ]
 
 

@@ -55,7 +55,7 @@ class RunRecord:
     @property
     def losses(self) -> dict[int, float]:
         # A skipped step (its global batch had no labelled token) has no loss to compare.
-        return {step: _as_float(rec.get("loss")) for step, rec in self.metrics.items() if "skipped" not in rec}
+        return {step: as_float(rec.get("loss")) for step, rec in self.metrics.items() if "skipped" not in rec}
 
     @property
     def skipped_steps(self) -> set[int]:
@@ -66,7 +66,7 @@ class RunRecord:
         return self.status != "completed"
 
 
-def _as_float(value: Any) -> float:
+def as_float(value: Any) -> float:
     # A missing or null loss counts as NaN so the non-finite check catches it.
     try:
         return float(value)
