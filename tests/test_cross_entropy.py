@@ -10,14 +10,15 @@ import torch.nn.functional as F
 from hyperpar.train import cross_entropy as ce
 
 
+@pytest.mark.parametrize("hint", [0.7, 1.0])  # the gradient formed in forward, or rescaled in backward
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cross_entropy_sum_equals_torch(monkeypatch, dtype):
+def test_cross_entropy_sum_equals_torch(monkeypatch, dtype, hint):
     monkeypatch.setattr(ce, "_row_chunk", lambda vocab: 7)  # 50 rows: 7 full chunks and one of 1
     torch.manual_seed(0)
     x = (torch.randn(50, 300) * 4).to(dtype).requires_grad_()
     y = torch.randint(0, 300, (50,))
     y[::6] = -100
-    got = ce.cross_entropy_sum(x, y)
+    got = ce.cross_entropy_sum(x, y, hint)
     (got * 0.7).backward()
     g = x.grad.clone()
     x.grad = None
@@ -35,6 +36,17 @@ def test_all_rows_ignored_gives_zero():
     loss = ce.cross_entropy_sum(x, torch.full((4,), -100))
     loss.backward()
     assert loss.item() == 0.0 and x.grad.eq(0).all()
+
+
+def test_cross_entropy_sum_without_grad_keeps_nothing_for_backward():
+    """Under no_grad (evaluation) no gradient is formed; a later backward through it is impossible."""
+    x = torch.randn(6, 10, requires_grad=True)
+    y = torch.randint(0, 10, (6,))
+    with torch.no_grad():
+        loss = ce.cross_entropy_sum(x, y)
+    assert not loss.requires_grad
+    ref = F.cross_entropy(x.detach(), y, reduction="sum")
+    assert abs(loss.item() - ref.item()) <= 1e-6 * ref.item()
 
 
 def _fp64_reference(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor, grad: float):

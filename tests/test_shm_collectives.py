@@ -98,6 +98,62 @@ def test_fsdp_through_shared_memory_equals_gloo_bitwise(tmp_path):
         assert rep["files"] == [], rep  # unlinked once mapped
 
 
+def _one_rank(rank: int, world: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from hyperpar.distributed import shm_collectives as sc
+    from hyperpar.distributed.fsdp import apply_fsdp
+
+    pairs = []  # the data pointers of the reduce comm's allocations, in order
+    real = sc.ShmReduceScatter.allocate
+
+    def train(installed: bool, accumulate: int) -> tuple[list[float], list[torch.Tensor]]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(65, 65, bias=False),
+                              *[nn.Sequential(nn.Linear(65, 33), nn.GELU(), nn.Linear(33, 65)) for _ in range(2)])
+        mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp_replicate", "dp_shard"))
+        apply_fsdp(model, list(model)[1:], mesh, param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        sc.release()
+        if installed:
+            sc.install([model], shared=False)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        gen = torch.Generator().manual_seed(1)
+        losses = []
+        for _ in range(3):
+            for _ in range(accumulate):  # FSDP reduces every micro-batch and adds to the sharded gradient
+                loss = model(torch.randn(4, 65, generator=gen)).float().square().mean()
+                loss.backward()
+                losses.append(loss.item())
+            opt.step()
+            opt.zero_grad()
+        return losses, [p.full_tensor().clone() for p in model.parameters()]
+
+    def allocate(self, *a, **k):
+        out = real(self, *a, **k)
+        pairs.append(out.data_ptr())
+        return out
+
+    sc.ShmReduceScatter.allocate = allocate
+    report = {}
+    for accumulate in (1, 2):
+        pairs.clear()
+        ref, got = train(False, accumulate), train(True, accumulate)
+        report[f"equal{accumulate}"] = ref[0] == got[0] and all(torch.equal(a, b) for a, b in zip(ref[1], got[1]))
+        # 3 units x 3 steps x accumulate reductions, each an (input, output) pair on one buffer
+        report[f"pairs{accumulate}"] = [len(pairs), all(i == o for i, o in zip(pairs[::2], pairs[1::2])),
+                                        len(set(pairs[::2])) > 1]
+    return report
+
+
+def test_one_rank_reduce_output_is_its_input(tmp_path):
+    """single / DDP (a one-rank shard group) under a 16-bit policy: FSDP's copy from its reduce input
+    to its output finds one buffer on both sides, and training is bitwise what FSDP's own buffers
+    give, with and without gradient accumulation."""
+    (rep,) = _spawn(_one_rank, 1, tmp_path)
+    assert rep.pop("files") == []
+    assert rep == {"equal1": True, "pairs1": [2 * 9, True, True], "equal2": True, "pairs2": [2 * 18, True, True]}, rep
+
+
 def _collectives(rank: int, world: int) -> dict:
     import torch.distributed as dist
 

@@ -3,9 +3,10 @@
 ``F.cross_entropy`` on a training step's logits writes a full (T, V) fp32 log-softmax in the
 forward, and its backward zero-fills another (T, V) buffer for the NLL gradient before the
 log-softmax backward reads both: on dense_small (2048 tokens x 32000 vocab) that is ~0.7 s of a
-~5 s CPU step and ~0.5 GB. Here the forward keeps only the per-row log-sum-exp (T floats) and the
-backward writes the gradient once, ``softmax - onehot`` scaled by the upstream gradient, chunk by
-chunk in fp32 whatever the logits' dtype (bf16 logits are not copied to fp32 as a whole).
+~5 s CPU step and ~0.5 GB. Here one pass over row chunks, in fp32 whatever the logits' dtype (bf16
+logits are not copied to fp32 as a whole), forms each row's loss and writes its gradient once,
+``softmax - onehot`` scaled by the gradient the loss is expected to get; the logits are not kept
+for the backward.
 Vocab-sharded DTensor logits (loss parallel) keep PyTorch's path; see ``token_loss_sum``.
 
 ``linear_cross_entropy_sum`` goes one step further for an fp32 head (``train.fused_head_loss``):
@@ -29,51 +30,66 @@ def _row_chunk(vocab: int) -> int:
 
 
 class _CrossEntropySum(torch.autograd.Function):
+    """Per row chunk: the fp32 log-sum-exp and, when a backward follows, the gradient
+    ``(softmax - onehot) * grad_hint`` formed in the same pass while the chunk is in cache (one read
+    of the logits instead of two, one exp instead of two). The backward only rescales the saved
+    gradient if the real upstream gradient is not ``grad_hint``."""
+
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, grad_hint: torch.Tensor,  # type: ignore[override]
+                grads: bool) -> torch.Tensor:
         T, V = logits.shape
         valid = labels != IGNORE_INDEX
         safe = labels.masked_fill(~valid, 0).unsqueeze(1)
-        lse = torch.empty(T, dtype=torch.float32, device=logits.device)
-        picked = torch.empty(T, dtype=torch.float32, device=logits.device)
-        step = _row_chunk(V)
+        # needs_input_grad reads True under no_grad too: the caller says whether a backward follows
+        want = bool(ctx.needs_input_grad[0]) and grads
+        scale = grad_hint.float() * valid.float()  # (T,): ignored rows get a zero gradient
+        nll = torch.empty(T, dtype=torch.float32, device=logits.device)
         fp32 = logits.dtype == torch.float32
-        buf = None if fp32 else torch.empty(min(step, T), V, dtype=torch.float32, device=logits.device)
+        out = empty_unfilled(logits.shape, logits.dtype, logits.device) if want else None  # written whole
+        step = _row_chunk(V)
+        # the fp32 working chunk: for fp32 logits with a gradient, the gradient's own rows; else one
+        # reused buffer (never a fresh or type-promoted temporary per chunk: under train.deterministic
+        # each of those is NaN-filled first, ~3.6 ms per 16 MB chunk on one CPU core)
+        buf = None if fp32 and want else empty_unfilled((min(step, T), V), torch.float32, logits.device)
         for a in range(0, T, step):
             x = logits[a:a + step]
-            if not fp32:  # one reused fp32 chunk: no fresh allocation per chunk
-                x = buf[:x.shape[0]].copy_(x)
-            torch.logsumexp(x, dim=-1, out=lse[a:a + step])
-            picked[a:a + step] = x.gather(1, safe[a:a + step]).squeeze(1)
-        ctx.save_for_backward(logits, safe, valid, lse)
-        return ((lse - picked) * valid).sum()
+            p = out[a:a + step] if buf is None else buf[:x.shape[0]]
+            p.copy_(x)
+            m = p.amax(dim=-1, keepdim=True)
+            p.sub_(m)
+            picked = p.gather(1, safe[a:a + step])  # x[label] - m
+            p.exp_()
+            s = p.sum(dim=-1, keepdim=True)
+            nll[a:a + step] = (s.log() - picked).squeeze(1)  # lse - x[label]
+            if want:
+                g = scale[a:a + step, None]
+                p.mul_(g / s)  # softmax * scale
+                p.scatter_add_(1, safe[a:a + step], -g)
+                if buf is not None:
+                    out[a:a + step].copy_(p)
+        ctx.save_for_backward(out, grad_hint)
+        return (nll * valid).sum()
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
-        logits, safe, valid, lse = ctx.saved_tensors
-        T, V = logits.shape
-        out = empty_unfilled(logits.shape, logits.dtype, logits.device)  # every row is written below
-        scale = grad.float() * valid.float()  # (T,): ignored rows get a zero gradient
-        step = _row_chunk(V)
-        fp32 = logits.dtype == torch.float32
-        buf = None if fp32 else torch.empty(min(step, T), V, dtype=torch.float32, device=logits.device)
-        for a in range(0, T, step):
-            x = logits[a:a + step]
-            # fp32: written straight into the gradient; otherwise into the reused fp32 chunk, cast once
-            p = torch.sub(x, lse[a:a + step, None], out=out[a:a + step] if fp32 else buf[:x.shape[0]])
-            p.exp_()  # softmax
-            p.scatter_add_(1, safe[a:a + step], torch.full_like(p[:, :1], -1.0))
-            p.mul_(scale[a:a + step, None])
-            if not fp32:
-                out[a:a + step].copy_(p)
-        return out, None
+        out, hint = ctx.saved_tensors
+        if out is not None and not torch.equal(grad.float(), hint.float()):
+            out = (out.float() * (grad.float() / hint.float())).to(out.dtype)
+        return out, None, None, None
 
 
-def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor,
+                      grad_hint: torch.Tensor | float = 1.0) -> torch.Tensor:
     """Σ over rows of ``-log softmax(logits)[label]`` for (T, V) logits and (T,) labels, rows with
     label -100 left out; an fp32 scalar. Same value and gradient as
-    ``F.cross_entropy(logits.float(), labels, ignore_index=-100, reduction='sum')``."""
-    return _CrossEntropySum.apply(logits, labels)
+    ``F.cross_entropy(logits.float(), labels, ignore_index=-100, reduction='sum')``. The gradient
+    is formed in the forward for the upstream gradient ``grad_hint`` (e.g. 1 / tokens); any other is
+    still exact, at one more pass over the gradient in backward."""
+    hint = torch.as_tensor(grad_hint, dtype=torch.float32, device=logits.device)
+    if hint.device.type == "cpu" and float(hint) == 0.0:  # nothing could be rescaled from a zero gradient
+        raise ValueError("cross_entropy_sum: grad_hint must be non-zero")
+    return _CrossEntropySum.apply(logits, labels, hint, torch.is_grad_enabled())
 
 
 # --- the head's matmul and the cross-entropy in one pass over row chunks ------------------------------

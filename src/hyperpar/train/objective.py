@@ -50,12 +50,12 @@ def token_loss_sum(logits: torch.Tensor | HeadInput, labels: torch.Tensor,
     be a vocab-sharded DTensor (inside ``loss_parallel``: PyTorch's parallel cross-entropy); plain
     logits take the chunked kernel of :mod:`hyperpar.train.cross_entropy`, a fused head's
     ``HeadInput`` its matmul-and-loss kernel (``grad_hint``: the gradient this sum will get, which
-    that kernel applies in its forward). A plain scalar."""
+    both kernels apply in their forward). A plain scalar."""
     if isinstance(logits, HeadInput):
         return linear_cross_entropy_sum(logits.hidden.flatten(0, -2), logits.weight, labels.flatten(),
                                         grad_hint if grad_hint is not None else 1.0)
     if not isinstance(logits, DTensor):
-        return cross_entropy_sum(logits.flatten(0, -2), labels.flatten())
+        return cross_entropy_sum(logits.flatten(0, -2), labels.flatten(), grad_hint if grad_hint is not None else 1.0)
     loss = F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
     return loss.to_local() if isinstance(loss, DTensor) else loss
 
