@@ -3,23 +3,32 @@
 ``torch.use_deterministic_algorithms`` (``train.deterministic``, default on) fills every new tensor
 with NaN so that a read of uninitialised memory shows: ~90 ms per 128 MB on one CPU thread. Buffers
 that are written whole before anything reads them (FSDP's collective buffers, the cross-entropy's
-logits chunk and gradient) skip it.
+logits chunk and gradient, the outputs of oneDNN's GEMMs) skip it.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+import contextlib
+from typing import Iterator, Sequence
 
 import torch
 
 
-def empty_unfilled(size: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """``torch.empty(size)`` never NaN-filled; only for buffers written whole before any read."""
+@contextlib.contextmanager
+def unfilled() -> Iterator[None]:
+    """No NaN fill of new tensors inside: for kernels that allocate their own output and write it
+    whole (oneDNN's GEMM allocates its output with ``at::empty``, which the fill reaches)."""
     from torch.utils import deterministic
 
     fill = deterministic.fill_uninitialized_memory
     deterministic.fill_uninitialized_memory = False
     try:
-        return torch.empty(*size, dtype=dtype, device=device)
+        yield
     finally:
         deterministic.fill_uninitialized_memory = fill
+
+
+def empty_unfilled(size: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``torch.empty(size)`` never NaN-filled; only for buffers written whole before any read."""
+    with unfilled():
+        return torch.empty(*size, dtype=dtype, device=device)

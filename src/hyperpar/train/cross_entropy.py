@@ -95,26 +95,28 @@ def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor,
 # --- the head's matmul and the cross-entropy in one pass over row chunks ------------------------------
 
 def _head_rows(vocab: int, device: torch.device) -> int:
-    # ~128 MB of fp32 logits per chunk, at least 256 rows. On 2 CPU cores (dense_small's 32000-wide
-    # head, 2048 rows) 2 chunks were as fast as the unfused head in step time and 4 were ~3 % slower:
-    # each chunk streams the weight and its gradient again.
-    return max(256, (1 << 25) // max(vocab, 1))
+    # ~256 MB of fp32 logits per chunk (the one working buffer), at least 256 rows. Each chunk streams
+    # the weight and its gradient again, and the head's GEMMs are faster on more rows: on 2 AMD cores
+    # (dense_small's 32000 x 512 head) one 2048-row chunk took 1078 ms for its three GEMMs where two
+    # 1048-row chunks took 1210.
+    return max(256, (1 << 26) // max(vocab, 1))
 
 
 def _mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``a @ b`` through the process's fp32 GEMM policy (``launch.cpu_gemm``)."""
+    """``a @ b`` through the process's fp32 GEMM policy (``launch.cpu_gemm``). oneDNN returns a
+    tensor of its own (``out`` is then left alone: a copy into it would cost a pass); the BLAS
+    writes into ``out``."""
     if onednn_gemm.applies(a, b.t(), None):
-        y = onednn_gemm.mm(a, b)
-        return y if out is None else out.copy_(y)
+        return onednn_gemm.mm(a, b)
     return torch.mm(a, b, out=out)
 
 
 class _LinearCrossEntropySum(torch.autograd.Function):
     """Σ CE of ``hidden @ weight.T`` without the (T, V) logits: per chunk of rows the logits are
     formed, reduced to their loss and turned into their gradient (``softmax - onehot``, times the
-    expected upstream gradient ``grad_hint``) while still in cache, and both input gradients are
-    accumulated in the forward. The backward only rescales them if the real upstream gradient is
-    not ``grad_hint`` (multiplying by an exact 1 is skipped)."""
+    expected upstream gradient ``grad_hint``) in place, while still in cache, and both input
+    gradients are accumulated in the forward. The backward only rescales them if the real upstream
+    gradient is not ``grad_hint`` (multiplying by an exact 1 is skipped)."""
 
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,  # type: ignore[override]
@@ -126,25 +128,30 @@ class _LinearCrossEntropySum(torch.autograd.Function):
         want_h, want_w = (bool(ctx.needs_input_grad[i]) and grads for i in (0, 1))
         scale = grad_hint.float() * valid.float()  # (T,): ignored rows get a zero gradient
         nll = torch.empty(T, dtype=torch.float32, device=hidden.device)
-        dh = empty_unfilled(hidden.shape, hidden.dtype, hidden.device) if want_h else None
+        dh_parts = []  # per chunk (one chunk: the gradient itself, no copy)
         dw = None  # the first chunk writes it whole, the others accumulate
         if want_w:
             dw = torch.zeros_like(weight) if T == 0 else empty_unfilled(weight.shape, weight.dtype, weight.device)
         step = _head_rows(V, hidden.device)
-        logits = empty_unfilled((min(step, T), V), torch.float32, hidden.device)
-        logp = empty_unfilled((min(step, T), V), torch.float32, hidden.device)
         wt = weight.t()
+        buf = None  # the BLAS's logits chunk, reused (oneDNN hands back one of its own)
+        if not onednn_gemm.applies(hidden, weight, None):
+            buf = empty_unfilled((min(step, T), V), torch.float32, hidden.device)
         for a in range(0, T, step):
             h = hidden[a:a + step]
-            x = _mm(h, wt, out=logits[:h.shape[0]])
-            p = torch.ops.aten._log_softmax.out(x, -1, False, out=logp[:h.shape[0]])  # x - lse
-            nll[a:a + step] = p.gather(1, safe[a:a + step]).squeeze(1).neg_()
+            x = _mm(h, wt, out=None if buf is None else buf[:h.shape[0]])  # the logits, then in place:
+            m = x.amax(dim=-1, keepdim=True)
+            x.sub_(m)
+            picked = x.gather(1, safe[a:a + step])  # x[label] - max
+            x.exp_()
+            s = x.sum(dim=-1, keepdim=True)
+            nll[a:a + step] = (s.log() - picked).squeeze(1)  # lse - x[label]
             if want_h or want_w:
-                p.exp_()  # softmax
-                p.scatter_add_(1, safe[a:a + step], torch.full_like(p[:, :1], -1.0))
-                p.mul_(scale[a:a + step, None])
+                g = scale[a:a + step, None]
+                p = x.mul_(g / s)  # softmax * scale
+                p.scatter_add_(1, safe[a:a + step], -g)
                 if want_h:
-                    _mm(p, weight, out=dh[a:a + step])
+                    dh_parts.append(_mm(p, weight))
                 if want_w and onednn_gemm.applies(h.t(), p.t(), None):
                     # (hᵀ p)ᵀ: oneDNN reads p transposed as its weight, where pᵀ as its input was first
                     # copied whole, (V x rows) per chunk: 205 against 291 ms per 1048-row chunk of a
@@ -155,6 +162,9 @@ class _LinearCrossEntropySum(torch.autograd.Function):
                     torch.mm(p.t(), h, out=dw)
                 elif want_w:
                     dw.addmm_(p.t(), h)
+        dh = None
+        if want_h:
+            dh = dh_parts[0] if len(dh_parts) == 1 else torch.cat(dh_parts) if dh_parts else torch.zeros_like(hidden)
         ctx.save_for_backward(dh, dw, grad_hint)
         return (nll * valid).sum()
 

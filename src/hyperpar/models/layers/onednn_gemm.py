@@ -21,6 +21,8 @@ from typing import Optional
 import torch
 from torch.distributed.tensor import DTensor
 
+from hyperpar.unfilled import unfilled
+
 POLICIES = ("auto", "blas", "onednn")
 _policy = "auto"
 _active: bool | None = None  # the policy resolved on this CPU (read per call, also inside compiled code)
@@ -94,11 +96,15 @@ def describe(tensor_parallel: bool = False) -> str | None:
 
 # A custom op of our own: inductor (train.compile) keeps it as one opaque kernel call, where it would
 # try (and fail) to lower torch's ``mkldnn._linear_pointwise`` as a prepacked-weight inference op.
+# Its output is allocated by oneDNN's op with ``at::empty``, which train.deterministic NaN-fills
+# first; the GEMM writes it whole, so the fill is skipped (dense_small fp32: ~40 ms a step).
 @torch.library.custom_op("hyperpar::onednn_gemm", mutates_args=())
 def _gemm_op(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor]) -> torch.Tensor:
     if x.dim() == 2:
-        return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
-    y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), w, b, "none", [], "")
+        with unfilled():
+            return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
+    with unfilled():
+        y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), w, b, "none", [], "")
     # a tensor of its own, not a view (as F.linear's): FSDP warns about a module returning a view
     return torch.ops.aten._unsafe_view(y, (*x.shape[:-1], w.shape[0]))
 
