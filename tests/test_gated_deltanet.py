@@ -76,6 +76,31 @@ def test_causal_conv_matches_conv1d(S: int) -> None:
     assert torch.autograd.gradcheck(lambda a, b: causal_depthwise_conv1d(a, b, silu=False), (x, w))
 
 
+@pytest.mark.parametrize("S", [3, 37])
+def test_compiled_16bit_conv_sums_taps_in_fp32(S: int) -> None:
+    """train.compile's bf16 conv (one compiled kernel each way): output and both gradients those of
+    fp32 arithmetic on the same bf16 values, rounded (a tap shifted the wrong way is off by O(1))."""
+    from hyperpar.models.layers import gated_deltanet as gd
+
+    torch.manual_seed(0)
+    C, K = 24, 4
+    x = torch.randn(2, S, C).bfloat16().requires_grad_()
+    w = (torch.randn(C, 1, K) * 0.5).bfloat16().requires_grad_()
+    go = torch.randn(2, S, C).bfloat16()
+    out = causal_depthwise_conv1d(x, w, compiled=True)
+    out.backward(go)
+    assert set(gd._fused_convs) == {"forward", "backward"} and out.dtype == torch.bfloat16
+    x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    pre = F.conv1d(x64.transpose(1, 2), w64, padding=K - 1, groups=C)[:, :, :S].transpose(1, 2)
+    ref = F.silu(pre)
+    ref.backward(go.double())
+    scale = ref.abs().max().item()
+    assert (out.double() - ref).abs().max().item() <= 2 * 2**-8 * scale  # two bf16 roundings (pre, silu)
+    for got, want in ((x.grad, x64.grad), (w.grad, w64.grad)):
+        assert got.dtype == torch.bfloat16
+        assert (got.double() - want).abs().max().item() <= 2**-6 * want.abs().max().item()
+
+
 def test_layer_matches_transformers() -> None:
     transformers = pytest.importorskip("transformers")
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
