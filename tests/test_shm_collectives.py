@@ -154,6 +154,33 @@ def test_one_rank_reduce_output_is_its_input(tmp_path):
     assert rep == {"equal1": True, "pairs1": [2 * 9, True, True], "equal2": True, "pairs2": [2 * 18, True, True]}, rep
 
 
+def _unshard_fills(rank: int, world: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule
+
+    from hyperpar.distributed.fsdp import apply_fsdp
+
+    torch.use_deterministic_algorithms(True)  # train.deterministic: NaN-fills every new tensor
+    model = nn.Sequential(nn.Linear(65, 65, bias=False), nn.Sequential(nn.Linear(65, 33), nn.Linear(33, 65)))
+    mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp_replicate", "dp_shard"))
+    apply_fsdp(model, [model[1]], mesh, param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    with torch.profiler.profile() as prof:
+        for unit in units:
+            unit.unshard()  # the 16-bit casts of every parameter
+            unit.reshard()
+    fills = [e for e in prof.events() if e.name == "aten::fill_"]
+    probe = torch.empty(1000)  # the fill is still on outside FSDP's unshard
+    return {"units": len(units), "fills": len(fills), "probe_nan": bool(probe.isnan().all())}
+
+
+def test_fsdp_unshard_casts_skip_the_deterministic_fill(tmp_path):
+    """A 16-bit policy casts every fp32 shard into a fresh tensor per unshard, written whole: no NaN
+    fill of train.deterministic there (it stays on elsewhere)."""
+    (rep,) = _spawn(_unshard_fills, 1, tmp_path)
+    assert rep == {"units": 2, "fills": 0, "probe_nan": True, "files": []}, rep
+
+
 def _collectives(rank: int, world: int) -> dict:
     import torch.distributed as dist
 

@@ -16,6 +16,8 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from hyperpar.unfilled import unfilled
+
 
 def mixed_precision_policy(param_dtype: torch.dtype, reduce_dtype: torch.dtype) -> MixedPrecisionPolicy:
     return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype, output_dtype=None, cast_forward_inputs=True)
@@ -39,6 +41,7 @@ def apply_fsdp(
     The model stays plain where ``one_rank_is_plain`` says FSDP would be copies only."""
     if one_rank_is_plain(model, mesh, expert_mesh, param_dtype, reduce_dtype):
         return model
+    _unshard_unfilled()
     mp = mixed_precision_policy(param_dtype, reduce_dtype)
     for unit in expert_units:
         fully_shard(unit, mesh=expert_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
@@ -61,6 +64,28 @@ def apply_fsdp(
             # Gloo (CPU) has no PREMUL_SUM; plain SUM is also exact for a divide factor of 1.
             module.set_force_sum_reduction_for_comms(True)
     return model
+
+
+def _unshard_unfilled() -> None:
+    """FSDP's unshard without ``train.deterministic``'s NaN fill of new tensors. Under a 16-bit
+    policy every unshard casts each fp32 shard into a fresh 16-bit tensor (the all-gather input; at
+    one rank FSDP copies it into the unsharded parameter), which the fill would write first: ~10 ms
+    a step for dense_small's 16.4M-element embedding and head alone. Everything an unshard allocates
+    is written whole before it is read (the casts, the unsharded parameters' storage, the all-gather
+    output). Wraps two methods of FSDP's parameter group, once per process."""
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    if getattr(FSDPParamGroup, "_hyperpar_unfilled", False):
+        return
+    for name in ("unshard", "wait_for_unshard"):
+        method = getattr(FSDPParamGroup, name)
+
+        def wrapped(self, *args, _method=method, **kwargs):
+            with unfilled():
+                return _method(self, *args, **kwargs)
+
+        setattr(FSDPParamGroup, name, wrapped)
+    FSDPParamGroup._hyperpar_unfilled = True
 
 
 def _one_rank(mesh, expert_mesh) -> bool:
