@@ -135,3 +135,12 @@ def test_whole_model_bf16_as_close_to_fp32_as_native() -> None:
     for up, nat in zip(errs["fp32"], errs["native"]):
         assert up <= 1.5 * nat + 2e-2, (up, nat)
     assert errs["fp32"][0] < 0.05
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_linear_compiles_without_graph_breaks(dtype: torch.dtype) -> None:
+    """train.compile: a block of linears is one graph. The 16-bit path asks whether the CPU has a
+    16-bit GEMM; traced, that probe (an op returning a bool) broke the graph at every bf16 linear."""
+    lin = cpu_matmul.Linear(16, 16).to(dtype)
+    out = torch._dynamo.explain(lambda x: lin(torch.relu(lin(x))))(torch.randn(4, 16, dtype=dtype))
+    assert out.graph_break_count == 0 and out.graph_count == 1, out.break_reasons

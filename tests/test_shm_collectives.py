@@ -170,15 +170,29 @@ def _unshard_fills(rank: int, world: int) -> dict:
             unit.unshard()  # the 16-bit casts of every parameter
             unit.reshard()
     fills = [e for e in prof.events() if e.name == "aten::fill_"]
+    with torch.profiler.profile() as prof:  # the reduction's copy-in of the 16-bit gradients
+        model(torch.randn(4, 65)).float().sum().backward()
+
+    def in_reduce(e) -> bool:
+        while e is not None:
+            if e.name.startswith("FSDP::post_backward"):
+                return True
+            e = e.cpu_parent
+        return False
+
+    reduce_fills = [e for e in prof.events() if e.name == "aten::fill_" and in_reduce(e)]
+    reductions = [e for e in prof.events() if e.name.startswith("FSDP::post_backward_reduce")]
     probe = torch.empty(1000)  # the fill is still on outside FSDP's unshard
-    return {"units": len(units), "fills": len(fills), "probe_nan": bool(probe.isnan().all())}
+    return {"units": len(units), "fills": len(fills), "reductions": len(reductions),
+            "reduce_fills": len(reduce_fills), "probe_nan": bool(probe.isnan().all())}
 
 
-def test_fsdp_unshard_casts_skip_the_deterministic_fill(tmp_path):
-    """A 16-bit policy casts every fp32 shard into a fresh tensor per unshard, written whole: no NaN
-    fill of train.deterministic there (it stays on elsewhere)."""
+def test_fsdp_unshard_and_reduce_skip_the_deterministic_fill(tmp_path):
+    """A 16-bit policy casts every fp32 shard into a fresh tensor per unshard, and every reduction
+    copies the 16-bit gradients into an fp32 temporary, each written whole: no NaN fill of
+    train.deterministic there (it stays on elsewhere)."""
     (rep,) = _spawn(_unshard_fills, 1, tmp_path)
-    assert rep == {"units": 2, "fills": 0, "probe_nan": True, "files": []}, rep
+    assert rep == {"units": 2, "fills": 0, "reductions": 2, "reduce_fills": 0, "probe_nan": True, "files": []}, rep
 
 
 def _collectives(rank: int, world: int) -> dict:
@@ -313,4 +327,5 @@ def test_collective_buffers_skip_the_deterministic_fill(monkeypatch):
     out = gather.allocate((1000,), dtype=torch.float32, device=torch.device("cpu"))
     assert out.shape == (1000,) and seen == [False]
     assert deterministic.fill_uninitialized_memory is True
+
 

@@ -42,13 +42,20 @@ def set_policy(policy: str) -> str:
 
 
 @functools.cache
-def native_half_gemm(dtype: torch.dtype) -> bool:
-    """Whether this CPU has a 16-bit GEMM of ``dtype`` (as oneDNN reports it)."""
+def _probe_half_gemm(dtype: torch.dtype) -> bool:
     probe = torch.ops.mkldnn._is_mkldnn_bf16_supported if dtype == torch.bfloat16 else torch.ops.mkldnn._is_mkldnn_fp16_supported
     try:
         return bool(probe())
     except (AttributeError, RuntimeError):  # a build without oneDNN: assume the native path is the one to use
         return True
+
+
+# A constant to torch.compile: traced, the probe (an op returning a bool) broke the graph at every
+# 16-bit linear of a compiled block (30 breaks per dense_small step, each a separate compiled graph).
+@torch.compiler.assume_constant_result
+def native_half_gemm(dtype: torch.dtype) -> bool:
+    """Whether this CPU has a 16-bit GEMM of ``dtype`` (as oneDNN reports it)."""
+    return _probe_half_gemm(dtype)
 
 
 def _upcasts(dtype: torch.dtype) -> bool:
