@@ -327,5 +327,3 @@ def test_collective_buffers_skip_the_deterministic_fill(monkeypatch):
     out = gather.allocate((1000,), dtype=torch.float32, device=torch.device("cpu"))
     assert out.shape == (1000,) and seen == [False]
     assert deterministic.fill_uninitialized_memory is True
-
-
