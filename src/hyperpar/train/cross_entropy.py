@@ -145,8 +145,13 @@ class _LinearCrossEntropySum(torch.autograd.Function):
         for a in range(0, T, step):
             h = hidden[a:a + step]
             p = _mm(h, wt, out=None if buf is None else buf[:h.shape[0]])  # the logits, turned in place into
-            nll[a:a + step] = _loss_and_gradient_(p, safe[a:a + step], scale[a:a + step], want_h or want_w)
-            if want_h or want_w:  # ... their gradient
+            # their gradient below, a cache-sized block of rows at a time (the GEMMs want the whole
+            # chunk): 2048 x 32000 on 2 AMD cores, 44 ms in 64-row blocks against 92 ms whole
+            blk = max(1, _row_chunk(V) // 2)
+            for b in range(0, h.shape[0], blk):
+                rows = slice(a + b, a + min(b + blk, h.shape[0]))
+                nll[rows] = _loss_and_gradient_(p[b:b + blk], safe[rows], scale[rows], want_h or want_w)
+            if want_h or want_w:
                 if want_h:
                     dh_parts.append(_mm(p, weight))
                 if want_w and onednn_gemm.applies(h.t(), p.t(), None):
