@@ -10,7 +10,9 @@ import torch.nn.functional as F
 from hyperpar.train import cross_entropy as ce
 
 
-@pytest.mark.parametrize("hint", [0.7, 1.0])  # the gradient formed in forward, or rescaled in backward
+# the gradient formed in the forward (0.7, the real one), rescaled in the backward (1.0), or formed
+# in the backward from the kept logits (None)
+@pytest.mark.parametrize("hint", [0.7, 1.0, None])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cross_entropy_sum_equals_torch(monkeypatch, dtype, hint):
     monkeypatch.setattr(ce, "_row_chunk", lambda vocab: 7)  # 50 rows: 7 full chunks and one of 1

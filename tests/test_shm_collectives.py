@@ -12,6 +12,7 @@ import json
 import os
 from pathlib import Path
 
+import pytest
 import torch
 from torch import nn
 
@@ -327,3 +328,28 @@ def test_collective_buffers_skip_the_deterministic_fill(monkeypatch):
     out = gather.allocate((1000,), dtype=torch.float32, device=torch.device("cpu"))
     assert out.shape == (1000,) and seen == [False]
     assert deterministic.fill_uninitialized_memory is True
+
+
+def test_one_rank_pairing_ends_with_each_reduction():
+    """The one-rank reduce hands FSDP's input buffer back as its output within one reduction only: a
+    reduction that raised between the two allocations must not pass its input to the next one as
+    that one's output (two units' gradients would share storage). FSDP's reduction always ends it."""
+    import types
+
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    from hyperpar.distributed import shm_collectives as sc
+    from hyperpar.distributed.fsdp import _unshard_unfilled
+
+    one = types.SimpleNamespace(size=lambda: 1)
+    comm, cpu = sc.ShmReduceScatter(one, shared=False), torch.device("cpu")
+    given = comm.allocate((8,), dtype=torch.float32, device=cpu)
+    assert comm.allocate((8,), dtype=torch.float32, device=cpu).data_ptr() == given.data_ptr()
+    stale = comm.allocate((8,), dtype=torch.float32, device=cpu)  # its reduction raises here
+    _unshard_unfilled()
+    group = types.SimpleNamespace(_reduce_scatter_comm=comm)  # not a real group: post_backward raises
+    with pytest.raises(Exception):
+        FSDPParamGroup.post_backward(group)
+    given = comm.allocate((8,), dtype=torch.float32, device=cpu)
+    assert given.data_ptr() != stale.data_ptr()
+    assert comm.allocate((8,), dtype=torch.float32, device=cpu).data_ptr() == given.data_ptr()

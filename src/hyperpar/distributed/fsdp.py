@@ -75,7 +75,8 @@ def _unshard_unfilled() -> None:
     and head) the copy-in's fills alone took 116 ms of a 2.2 s bf16 step in one profile (fresh pages).
     Everything these allocate is written whole before it is read (casts, the unsharded parameters'
     storage, the copy-in's result; its padding is zeros). Wraps three methods of FSDP's parameter
-    group, once per process."""
+    group, once per process; after each reduction (raised or not) the group's reduce-scatter comm
+    hears ``end_reduce()`` where it has one."""
     from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 
     if getattr(FSDPParamGroup, "_hyperpar_unfilled", False):
@@ -83,9 +84,15 @@ def _unshard_unfilled() -> None:
     for name in ("unshard", "wait_for_unshard", "post_backward"):
         method = getattr(FSDPParamGroup, name)
 
-        def wrapped(self, *args, _method=method, **kwargs):
-            with unfilled():
-                return _method(self, *args, **kwargs)
+        def wrapped(self, *args, _method=method, _reduces=name == "post_backward", **kwargs):
+            try:
+                with unfilled():
+                    return _method(self, *args, **kwargs)
+            finally:
+                # a reduction's buffer pairing (shm_collectives) never outlives it, even one that raised
+                end = getattr(getattr(self, "_reduce_scatter_comm", None), "end_reduce", None)
+                if _reduces and end is not None:
+                    end()
 
         setattr(FSDPParamGroup, name, wrapped)
     FSDPParamGroup._hyperpar_unfilled = True

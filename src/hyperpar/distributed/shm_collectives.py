@@ -302,7 +302,9 @@ class ShmReduceScatter(ReduceScatter):
     def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         numel = _numel(size)
         if self.group is not None and self.group.size() == 1:
-            # FSDP allocates the input, fills it, then allocates the output of the same size
+            # FSDP allocates the input, fills it, then allocates the output of the same size, all in
+            # one reduction (``end_reduce`` after each, so a reduction that raised in between cannot
+            # hand its input to the next as an output: that would alias two units' gradients)
             given, self._one_rank_input = self._one_rank_input, None
             if given is not None and given.numel() == numel and given.dtype == dtype and given.device == device:
                 return given.view(*size)
@@ -316,6 +318,10 @@ class ShmReduceScatter(ReduceScatter):
                 self._lent = slots[arena.rank]
                 return self._lent.view(*size)
         return empty_unfilled(size, dtype, device)
+
+    def end_reduce(self) -> None:
+        """Called after every FSDP gradient reduction (``distributed/fsdp.py`` wraps it)."""
+        self._one_rank_input = None
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  op=dist.ReduceOp.SUM, async_op: bool = False) -> dist.Work | None:

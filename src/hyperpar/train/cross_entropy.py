@@ -4,13 +4,13 @@
 forward, and its backward zero-fills another (T, V) buffer for the NLL gradient before the
 log-softmax backward reads both: on dense_small (2048 tokens x 32000 vocab) that is ~0.7 s of a
 ~5 s CPU step and ~0.5 GB. Here one pass over row chunks, in fp32 whatever the logits' dtype (bf16
-logits are not copied to fp32 as a whole), forms each row's loss and writes its gradient once,
-``softmax - onehot`` scaled by the gradient the loss is expected to get; the logits are not kept
-for the backward.
+logits are not copied to fp32 as a whole), forms each row's loss and, given the gradient the loss
+is expected to get, writes the logits' gradient once (``softmax - onehot``, scaled) without keeping
+the logits; without it the backward forms the gradient from the kept logits.
 Vocab-sharded DTensor logits (loss parallel) keep PyTorch's path; see ``token_loss_sum``.
 
 ``linear_cross_entropy_sum`` goes one step further for an fp32 head (``train.fused_head_loss``):
-the head's matmul runs inside the loss, chunk by chunk (up to 256 MB of fp32 logits), and each
+the head's matmul runs inside the loss, chunk by chunk (~256 MB of fp32 logits), and each
 chunk's logits become their gradient in place, so logits and gradient never both exist (the
 unfused head holds both whole: 2 x 4 GB at a 248k vocabulary and 4096 tokens).
 """
@@ -44,56 +44,84 @@ def _loss_and_gradient_(x: torch.Tensor, safe: torch.Tensor, scale: torch.Tensor
     return (s.log() - picked).squeeze(1)
 
 
+def _chunked_loss(logits: torch.Tensor, safe: torch.Tensor, scale: torch.Tensor,
+                  out: torch.Tensor | None) -> torch.Tensor:
+    """Each row's loss over fp32 row chunks of ``logits`` (any float dtype); with ``out`` also the
+    gradient ``(softmax - onehot) * scale`` written into it. The fp32 working chunk is the gradient's
+    own rows for fp32 logits, else one reused buffer: never a fresh or type-promoted temporary per
+    chunk (under train.deterministic each of those is NaN-filled first, ~3.6 ms per 16 MB chunk on one
+    CPU core)."""
+    T, V = logits.shape
+    nll = torch.empty(T, dtype=torch.float32, device=logits.device)
+    step = _row_chunk(V)
+    buf = None
+    if out is None or logits.dtype != torch.float32:
+        buf = empty_unfilled((min(step, T), V), torch.float32, logits.device)
+    for a in range(0, T, step):
+        x = logits[a:a + step]
+        p = out[a:a + step] if buf is None else buf[:x.shape[0]]
+        nll[a:a + step] = _loss_and_gradient_(p.copy_(x), safe[a:a + step], scale[a:a + step], out is not None)
+        if out is not None and buf is not None:
+            out[a:a + step].copy_(p)
+    return nll
+
+
 class _CrossEntropySum(torch.autograd.Function):
-    """Per row chunk: the fp32 log-sum-exp and, when a backward follows, the gradient
-    ``(softmax - onehot) * grad_hint`` formed in the same pass while the chunk is in cache (one read
-    of the logits instead of two, one exp instead of two). The backward only rescales the saved
-    gradient if the real upstream gradient is not ``grad_hint``."""
+    """Per row chunk: the fp32 loss and, when a backward follows and ``grad_hint`` is given, the
+    gradient ``(softmax - onehot) * grad_hint`` formed in the same pass while the chunk is in cache
+    (one read of the logits instead of two, one exp instead of two); the backward then only rescales
+    it if the real upstream gradient is not ``grad_hint``. Without a hint the logits are kept and
+    the backward forms the gradient (the memory of the old path: the gradient does not live from the
+    forward to the backward next to logits the caller still holds)."""
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, grad_hint: torch.Tensor,  # type: ignore[override]
+    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, grad_hint: torch.Tensor | None,  # type: ignore[override]
                 grads: bool) -> torch.Tensor:
-        T, V = logits.shape
         valid = labels != IGNORE_INDEX
         safe = labels.masked_fill(~valid, 0).unsqueeze(1)
         # needs_input_grad reads True under no_grad too: the caller says whether a backward follows
         want = bool(ctx.needs_input_grad[0]) and grads
-        scale = grad_hint.float() * valid.float()  # (T,): ignored rows get a zero gradient
-        nll = torch.empty(T, dtype=torch.float32, device=logits.device)
-        fp32 = logits.dtype == torch.float32
-        out = empty_unfilled(logits.shape, logits.dtype, logits.device) if want else None  # written whole
-        step = _row_chunk(V)
-        # the fp32 working chunk: for fp32 logits with a gradient, the gradient's own rows; else one
-        # reused buffer (never a fresh or type-promoted temporary per chunk: under train.deterministic
-        # each of those is NaN-filled first, ~3.6 ms per 16 MB chunk on one CPU core)
-        buf = None if fp32 and want else empty_unfilled((min(step, T), V), torch.float32, logits.device)
-        for a in range(0, T, step):
-            x = logits[a:a + step]
-            p = out[a:a + step] if buf is None else buf[:x.shape[0]]
-            nll[a:a + step] = _loss_and_gradient_(p.copy_(x), safe[a:a + step], scale[a:a + step], want)
-            if want and buf is not None:
-                out[a:a + step].copy_(p)
-        ctx.save_for_backward(out, grad_hint)
+        ctx.formed = want and grad_hint is not None
+        if ctx.formed:
+            scale = grad_hint.float() * valid.float()  # (T,): ignored rows get a zero gradient
+            out = empty_unfilled(logits.shape, logits.dtype, logits.device)  # written whole
+            nll = _chunked_loss(logits, safe, scale, out)
+            ctx.save_for_backward(out, grad_hint)
+        else:
+            nll = _chunked_loss(logits, safe, valid.float(), None)
+            if want:
+                ctx.save_for_backward(logits, safe, valid)
         return (nll * valid).sum()
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
-        out, hint = ctx.saved_tensors
-        if out is not None and not torch.equal(grad.float(), hint.float()):
-            out = (out.float() * (grad.float() / hint.float())).to(out.dtype)
+        if ctx.formed:
+            out, hint = ctx.saved_tensors
+            if not torch.equal(grad.float(), hint.float()):
+                # exact for fp32 logits; 16-bit ones are rounded twice (at the hint's scale, then here)
+                out = (out.float() * (grad.float() / hint.float())).to(out.dtype)
+            return out, None, None, None
+        logits, safe, valid = ctx.saved_tensors
+        out = empty_unfilled(logits.shape, logits.dtype, logits.device)
+        _chunked_loss(logits, safe, grad.float() * valid.float(), out)
         return out, None, None, None
 
 
 def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor,
-                      grad_hint: torch.Tensor | float = 1.0) -> torch.Tensor:
+                      grad_hint: torch.Tensor | float | None = None) -> torch.Tensor:
     """Σ over rows of ``-log softmax(logits)[label]`` for (T, V) logits and (T,) labels, rows with
     label -100 left out; an fp32 scalar. Same value and gradient as
-    ``F.cross_entropy(logits.float(), labels, ignore_index=-100, reduction='sum')``. The gradient
-    is formed in the forward for the upstream gradient ``grad_hint`` (e.g. 1 / tokens); any other is
-    still exact, at one more pass over the gradient in backward."""
-    hint = torch.as_tensor(grad_hint, dtype=torch.float32, device=logits.device)
-    if hint.device.type == "cpu" and float(hint) == 0.0:  # nothing could be rescaled from a zero gradient
-        raise ValueError("cross_entropy_sum: grad_hint must be non-zero")
+    ``F.cross_entropy(logits.float(), labels, ignore_index=-100, reduction='sum')``. With
+    ``grad_hint`` (the gradient the loss will get, e.g. 1 / tokens) the gradient is formed in the
+    forward and the logits are not kept: cheaper, but the (T, V) gradient then lives until the
+    backward, so a caller that keeps the logits meanwhile (a pipeline stage's forward cache, a second
+    loss) holds both. Another real gradient is still applied (one more pass; for 16-bit logits with
+    a second rounding)."""
+    hint = None
+    if grad_hint is not None:
+        hint = torch.as_tensor(grad_hint, dtype=torch.float32, device=logits.device)
+        if hint.device.type == "cpu" and float(hint) == 0.0:  # nothing could be rescaled from a zero gradient
+            raise ValueError("cross_entropy_sum: grad_hint must be non-zero")
     return _CrossEntropySum.apply(logits, labels, hint, torch.is_grad_enabled())
 
 
@@ -133,11 +161,13 @@ class _LinearCrossEntropySum(torch.autograd.Function):
         want_h, want_w = (bool(ctx.needs_input_grad[i]) and grads for i in (0, 1))
         scale = grad_hint.float() * valid.float()  # (T,): ignored rows get a zero gradient
         nll = torch.empty(T, dtype=torch.float32, device=hidden.device)
-        dh_parts = []  # per chunk (one chunk: the gradient itself, no copy)
+        step = _head_rows(V, hidden.device)
+        dh = None  # one chunk: the GEMM's own output; several: written chunk by chunk
+        if want_h and (T == 0 or T > step):
+            dh = torch.zeros_like(hidden) if T == 0 else empty_unfilled(hidden.shape, hidden.dtype, hidden.device)
         dw = None  # the first chunk writes it whole, the others accumulate
         if want_w:
             dw = torch.zeros_like(weight) if T == 0 else empty_unfilled(weight.shape, weight.dtype, weight.device)
-        step = _head_rows(V, hidden.device)
         wt = weight.t()
         buf = None  # the BLAS's logits chunk, reused (oneDNN hands back one of its own)
         if not onednn_gemm.applies(hidden, weight, None):
@@ -152,8 +182,13 @@ class _LinearCrossEntropySum(torch.autograd.Function):
                 rows = slice(a + b, a + min(b + blk, h.shape[0]))
                 nll[rows] = _loss_and_gradient_(p[b:b + blk], safe[rows], scale[rows], want_h or want_w)
             if want_h or want_w:
-                if want_h:
-                    dh_parts.append(_mm(p, weight))
+                if want_h and dh is None:
+                    dh = _mm(p, weight)
+                elif want_h:
+                    dh_rows = dh[a:a + step]
+                    y = _mm(p, weight, out=dh_rows)
+                    if y.data_ptr() != dh_rows.data_ptr():
+                        dh_rows.copy_(y)
                 if want_w and onednn_gemm.applies(h.t(), p.t(), None):
                     # (hᵀ p)ᵀ: oneDNN reads p transposed as its weight, where pᵀ as its input was first
                     # copied whole, (V x rows) per chunk: 205 against 291 ms per 1048-row chunk of a
@@ -164,9 +199,7 @@ class _LinearCrossEntropySum(torch.autograd.Function):
                     torch.mm(p.t(), h, out=dw)
                 elif want_w:
                     dw.addmm_(p.t(), h)
-        dh = None
-        if want_h:
-            dh = dh_parts[0] if len(dh_parts) == 1 else torch.cat(dh_parts) if dh_parts else torch.zeros_like(hidden)
+            p = part = None  # freed before the next chunk's logits GEMM allocates its own
         ctx.save_for_backward(dh, dw, grad_hint)
         return (nll * valid).sum()
 

@@ -45,17 +45,19 @@ if TYPE_CHECKING:
     from hyperpar.distributed.context_parallel import SequenceShard
 
 def token_loss_sum(logits: torch.Tensor | HeadInput, labels: torch.Tensor,
-                   grad_hint: torch.Tensor | None = None) -> torch.Tensor:
+                   grad_hint: torch.Tensor | None = None, *, logit_grad_in_forward: bool = False) -> torch.Tensor:
     """Σ per-token cross-entropy in fp32 over pre-shifted ``labels`` (-100 ignored). ``logits`` may
     be a vocab-sharded DTensor (inside ``loss_parallel``: PyTorch's parallel cross-entropy); plain
     logits take the chunked kernel of :mod:`hyperpar.train.cross_entropy`, a fused head's
-    ``HeadInput`` its matmul-and-loss kernel (``grad_hint``: the gradient this sum will get, which
-    both kernels apply in their forward). A plain scalar."""
+    ``HeadInput`` its matmul-and-loss kernel. ``grad_hint``: the gradient this sum will get, which
+    the fused kernel applies in its forward, and the plain one too with ``logit_grad_in_forward``
+    (then the logits' gradient lives from this forward to the backward). A plain scalar."""
     if isinstance(logits, HeadInput):
         return linear_cross_entropy_sum(logits.hidden.flatten(0, -2), logits.weight, labels.flatten(),
                                         grad_hint if grad_hint is not None else 1.0)
     if not isinstance(logits, DTensor):
-        return cross_entropy_sum(logits.flatten(0, -2), labels.flatten(), grad_hint if grad_hint is not None else 1.0)
+        hint = grad_hint if logit_grad_in_forward else None
+        return cross_entropy_sum(logits.flatten(0, -2), labels.flatten(), hint)
     loss = F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
     return loss.to_local() if isinstance(loss, DTensor) else loss
 
@@ -125,11 +127,16 @@ class Objective:
         return loss_parallel()
 
     def __call__(self, out: ModelOutput | torch.Tensor, labels: torch.Tensor,
-                 totals: StepTotals) -> tuple[torch.Tensor, MicroBatchLoss]:
+                 totals: StepTotals, *, logit_grad_in_forward: bool = False) -> tuple[torch.Tensor, MicroBatchLoss]:
+        """The micro-batch's objective and its parts. ``logit_grad_in_forward``: plain (unfused)
+        logits of the main loss get their gradient formed in this forward (cheaper); for a caller
+        that drops its own reference to the logits before the backward (the trainer), so they are
+        never held next to it. The MTP loss keeps the lazy gradient: formed in its forward it would
+        coexist with both logits and the main loss's gradient."""
         logits = out.logits if isinstance(out, ModelOutput) else out
         # the gradient each sum gets in backward, as autograd forms it below (1 / tokens, then × weight)
         per_token = torch.ones((), dtype=torch.float32, device=totals.tokens.device) / totals.tokens
-        lm_sum = token_loss_sum(logits, self.lm_labels(labels), per_token)
+        lm_sum = token_loss_sum(logits, self.lm_labels(labels), per_token, logit_grad_in_forward=logit_grad_in_forward)
         objective = lm_sum / totals.tokens
         parts = MicroBatchLoss(lm_sum.detach())
         if isinstance(out, ModelOutput) and out.router_stats is not None:

@@ -129,7 +129,8 @@ class Trainer:
                     part.set_requires_gradient_sync(i == n - 1)
             with self.objective.context(), tower_runs_without_items(idle_tower[i]):
                 out = self.model(**_model_inputs(mb, self.device))
-                objective, parts = self.objective(out, labels[i], totals)
+                objective, parts = self.objective(out, labels[i], totals, logit_grad_in_forward=True)
+                del out  # the logits: their gradient is formed, nothing reads them in the backward
                 objective.backward()
             loss_sum += parts.lm_sum
             if parts.aux is not None:

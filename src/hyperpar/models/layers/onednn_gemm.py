@@ -144,14 +144,14 @@ class _OneDnnLinear(torch.autograd.Function):
         if need_w:
             # A wide output (the 32000-row head) runs faster as (xᵀ g)ᵀ and one copy (~190 against
             # ~120 GFLOP/s for gᵀ x); a narrow one is as fast either way and skips the copy.
-            # oneDNN's input must be contiguous: the transposed operand is made so here, where a
-            # compiled backward (train.compile) writes it with inductor's tiled transpose (2048 x
-            # 1536: 1.5 against 3.9 ms for the copy oneDNN's op makes itself); eager, the same copy.
+            # oneDNN's input must be contiguous. Compiled (train.compile), the transposed operand is
+            # made so here, by inductor's tiled transpose (2048 x 1536: 1.5 against 3.9 ms for the
+            # copy oneDNN's op makes itself); eager, oneDNN's op makes that copy (unfilled, inside it).
             wide = w.shape[0] >= _WIDE
-            if wide:
-                dw = _gemm(x2.t().contiguous(), g2.t()).t().contiguous()
-            else:
-                dw = _gemm(g2.t().contiguous(), x2.t())
+            xt, gt = x2.t(), g2.t()
+            if torch.compiler.is_compiling():
+                xt, gt = (xt.contiguous(), gt) if wide else (xt, gt.contiguous())
+            dw = _gemm(xt, gt).t().contiguous() if wide else _gemm(gt, xt)
         db = g2.sum(0) if need_b and ctx.has_bias else None
         return dx, dw, db
 
