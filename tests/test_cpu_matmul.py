@@ -144,3 +144,15 @@ def test_linear_compiles_without_graph_breaks(dtype: torch.dtype) -> None:
     lin = cpu_matmul.Linear(16, 16).to(dtype)
     out = torch._dynamo.explain(lambda x: lin(torch.relu(lin(x))))(torch.randn(4, 16, dtype=dtype))
     assert out.graph_break_count == 0 and out.graph_count == 1, out.break_reasons
+
+
+def test_upcast_linear_returns_a_tensor_of_its_own(monkeypatch) -> None:
+    """Not a view: FSDP warns (and an in-place op would skip its pre-backward hook) when a root's
+    output is a view; the upcast head's logits are such an output."""
+    monkeypatch.setattr(cpu_matmul, "_policy", "fp32")
+    x = torch.randn(2, 3, 8, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(5, 8, dtype=torch.bfloat16, requires_grad=True)
+    y = cpu_matmul.linear(x, w)
+    assert y.shape == (2, 3, 5) and not y._is_view()
+    ref = F.linear(x.float(), w.float()).to(torch.bfloat16)
+    assert torch.equal(y, ref)

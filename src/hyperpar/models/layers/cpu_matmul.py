@@ -92,11 +92,13 @@ class _Fp32Linear(torch.autograd.Function):
         w32 = w.float()
         b32 = b.float() if b is not None else None
         x2 = x.reshape(-1, x.shape[-1])
-        out = torch.empty(x2.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
+        # allocated in its final shape: a view returned from here is one FSDP warns about at a root's output
+        out = torch.empty(*x.shape[:-1], w.shape[0], dtype=x.dtype, device=x.device)
+        rows = out.view(-1, w.shape[0])
         step = _rows(w.shape[0])
         for a in range(0, x2.shape[0], step):
-            out[a:a + step] = F.linear(x2[a:a + step].float(), w32, b32)
-        return out.view(*x.shape[:-1], w.shape[0])
+            rows[a:a + step] = F.linear(x2[a:a + step].float(), w32, b32)
+        return out
 
     @staticmethod
     def backward(ctx, gy: torch.Tensor):  # type: ignore[override]
