@@ -90,8 +90,8 @@ def _unshard_unfilled() -> None:
                     return _method(self, *args, **kwargs)
             finally:
                 # a reduction's buffer pairing (shm_collectives) never outlives it, even one that raised
-                end = getattr(getattr(self, "_reduce_scatter_comm", None), "end_reduce", None)
-                if _reduces and end is not None:
+                end = getattr(getattr(self, "_reduce_scatter_comm", None), "end_reduce", None) if _reduces else None
+                if end is not None:
                     end()
 
         setattr(FSDPParamGroup, name, wrapped)

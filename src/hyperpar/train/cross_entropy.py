@@ -66,6 +66,21 @@ def _chunked_loss(logits: torch.Tensor, safe: torch.Tensor, scale: torch.Tensor,
     return nll
 
 
+def _hint_tensor(grad_hint: torch.Tensor | float, device: torch.device, who: str) -> torch.Tensor:
+    """The expected upstream gradient as an fp32 scalar on ``device``; never zero (nothing could be
+    rescaled from a zero gradient)."""
+    hint = torch.as_tensor(grad_hint, dtype=torch.float32, device=device)
+    if hint.device.type == "cpu" and float(hint) == 0.0:
+        raise ValueError(f"{who}: grad_hint must be non-zero")
+    return hint
+
+
+def _rescale(grad: torch.Tensor, hint: torch.Tensor) -> torch.Tensor | None:
+    """The factor a gradient formed for ``hint`` needs under the real upstream ``grad``; None when
+    they are equal (multiplying by an exact 1 is skipped)."""
+    return None if torch.equal(grad.float(), hint.float()) else grad.float() / hint.float()
+
+
 class _CrossEntropySum(torch.autograd.Function):
     """Per row chunk: the fp32 loss and, when a backward follows and ``grad_hint`` is given, the
     gradient ``(softmax - onehot) * grad_hint`` formed in the same pass while the chunk is in cache
@@ -97,9 +112,10 @@ class _CrossEntropySum(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
         if ctx.formed:
             out, hint = ctx.saved_tensors
-            if not torch.equal(grad.float(), hint.float()):
+            ratio = _rescale(grad, hint)
+            if ratio is not None:
                 # exact for fp32 logits; 16-bit ones are rounded twice (at the hint's scale, then here)
-                out = (out.float() * (grad.float() / hint.float())).to(out.dtype)
+                out = (out.float() * ratio).to(out.dtype)
             return out, None, None, None
         logits, safe, valid = ctx.saved_tensors
         out = empty_unfilled(logits.shape, logits.dtype, logits.device)
@@ -117,11 +133,7 @@ def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor,
     backward, so a caller that keeps the logits meanwhile (a pipeline stage's forward cache, a second
     loss) holds both. Another real gradient is still applied (one more pass; for 16-bit logits with
     a second rounding)."""
-    hint = None
-    if grad_hint is not None:
-        hint = torch.as_tensor(grad_hint, dtype=torch.float32, device=logits.device)
-        if hint.device.type == "cpu" and float(hint) == 0.0:  # nothing could be rescaled from a zero gradient
-            raise ValueError("cross_entropy_sum: grad_hint must be non-zero")
+    hint = None if grad_hint is None else _hint_tensor(grad_hint, logits.device, "cross_entropy_sum")
     return _CrossEntropySum.apply(logits, labels, hint, torch.is_grad_enabled())
 
 
@@ -206,8 +218,8 @@ class _LinearCrossEntropySum(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
         dh, dw, hint = ctx.saved_tensors
-        if not torch.equal(grad.float(), hint.float()):
-            ratio = grad.float() / hint.float()
+        ratio = _rescale(grad, hint)
+        if ratio is not None:
             dh = dh * ratio if dh is not None else None
             dw = dw * ratio if dw is not None else None
         return dh, dw, None, None, None
@@ -219,7 +231,5 @@ def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, labels:
     ``weight``, never holding the (T, V) logits or their gradient: both gradients are computed in
     the forward, chunk by chunk. ``grad_hint``: the gradient the loss will get in backward (e.g.
     1 / tokens); any other gradient is still exact, at one more pass over the weight gradient."""
-    hint = torch.as_tensor(grad_hint, dtype=torch.float32, device=hidden.device)
-    if hint.device.type == "cpu" and float(hint) == 0.0:  # nothing could be rescaled from a zero gradient
-        raise ValueError("linear_cross_entropy_sum: grad_hint must be non-zero")
+    hint = _hint_tensor(grad_hint, hidden.device, "linear_cross_entropy_sum")
     return _LinearCrossEntropySum.apply(hidden, weight, labels, hint, torch.is_grad_enabled())
