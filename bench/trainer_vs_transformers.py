@@ -16,6 +16,10 @@ per step, and the ratio transformers / ours (> 1: ours is faster). With ``--fsdp
     python bench/trainer_vs_transformers.py --config dense_small --dtype bf16
     python bench/trainer_vs_transformers.py --config moe_small --dtype fp32
     python bench/trainer_vs_transformers.py --config dense_small --fsdp --no-transformers [--floor]
+    python bench/trainer_vs_transformers.py --device cuda --dtype bf16 --batch 16   # one GPU
+
+On ``--device cuda`` the peaks are cuBLAS's (fp32 without TF32, as the trainer runs by default) and
+memory is the CUDA allocator's peak per step instead of the process's RSS.
 
 Our trainer flushes subnormal floats to zero on CPU (``launch.flush_denormals``, default on);
 ``--transformers-ftz`` also times transformers with the same CPU mode, to tell that gain apart.
@@ -41,13 +45,31 @@ sys.path.insert(0, str(Path(__file__).parent))
 from train_throughput import COMMON, CONFIGS, is_moe  # noqa: E402  (the geometries, one place)
 
 
-def matmul_peak(dtype: torch.dtype, threads: int, n: int = 2048, reps: int = 5) -> float:
-    """Best GFLOP/s of an n x n matmul on ``threads`` threads, torch's ``mm`` or oneDNN's GEMM, whichever
+def cuda_matmul_peak(dtype: torch.dtype, n: int = 8192, reps: int = 10) -> float:
+    """Best GFLOP/s of an n x n cuBLAS matmul on the current GPU."""
+    a, b = (torch.randn(n, n, device="cuda").to(dtype) for _ in range(2))
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(3):
+        a @ b
+    best = float("inf")
+    for _ in range(reps):
+        start.record()
+        a @ b
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3)
+    return 2 * n**3 / best / 1e9
+
+
+def matmul_peak(dtype: torch.dtype, threads: int, n: int = 2048, reps: int = 5, device: str = "cpu") -> float:
+    """On CUDA: :func:`cuda_matmul_peak`. On CPU: Best GFLOP/s of an n x n matmul on ``threads`` threads, torch's ``mm`` or oneDNN's GEMM, whichever
     is faster (of a 512 one where the n one would take over a second: a CPU without 16-bit GEMM runs
     bf16 at ~1 GFLOP/s)."""
+    if device == "cuda":
+        return cuda_matmul_peak(dtype)
     torch.set_num_threads(threads)
     if n > 512:
-        small = matmul_peak(dtype, threads, 512, reps=2)
+        small = matmul_peak(dtype, threads, 512, reps=2, device=device)
         if 2 * n**3 / (small * 1e9) > 1.0:
             return small
     a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
@@ -83,31 +105,34 @@ THEIRS = r'''
 import json, sys, time, torch
 from hyperpar.device import _cpu_peak
 ckpt, seq, batch, steps, dtype, moe, threads = sys.argv[1], *map(int, sys.argv[2:5]), sys.argv[5], sys.argv[6] == "1", int(sys.argv[7])
+device = sys.argv[9]
 torch.set_num_threads(threads)
 if sys.argv[8] == "1":  # before the OpenMP pool starts: its threads copy the mode
     torch.set_flush_denormal(True)
 from transformers import AutoModelForCausalLM
-model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16 if dtype == "bf16" else torch.float32).train()
-opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16 if dtype == "bf16" else torch.float32).to(device).train()
+opt_kw = {"fused": True} if device == "cuda" else {}  # what a GPU user of transformers would pick
+opt = torch.optim.AdamW(model.parameters(), lr=1e-4, **opt_kw)
 gen = torch.Generator().manual_seed(0)
 extra = {"output_router_logits": True} if moe else {}
 for step in range(steps):
-    ids = torch.randint(0, model.config.vocab_size, (batch, seq), generator=gen)
-    _cpu_peak.reset()
+    ids = torch.randint(0, model.config.vocab_size, (batch, seq), generator=gen).to(device)
+    torch.cuda.reset_peak_memory_stats() if device == "cuda" else _cpu_peak.reset()
     t0 = time.perf_counter()
     loss = model(input_ids=ids, labels=ids, use_cache=False, **extra).loss
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     opt.step()
     opt.zero_grad(set_to_none=True)
-    loss = loss.item()
-    print(json.dumps({"step": step + 1, "step_time_s": time.perf_counter() - t0, "peak_mem_mb": _cpu_peak.peak_mb(), "loss": loss}), flush=True)
+    loss = loss.item()  # waits for the GPU's queue: the step is done
+    peak = torch.cuda.max_memory_allocated() / 2**20 if device == "cuda" else _cpu_peak.peak_mb()
+    print(json.dumps({"step": step + 1, "step_time_s": time.perf_counter() - t0, "peak_mem_mb": peak, "loss": loss}), flush=True)
 '''
 
 
 def run_theirs(ckpt: Path, a, steps: int, ftz: bool = False) -> list[dict]:
     res = subprocess.run([sys.executable, "-c", THEIRS, str(ckpt), str(a.seq), str(a.batch), str(steps), a.dtype,
-                          "1" if is_moe(a.config) else "0", str(a.threads), "1" if ftz else "0"],
+                          "1" if is_moe(a.config) else "0", str(a.threads), "1" if ftz else "0", a.device],
                          capture_output=True, text=True)
     if res.returncode:
         raise SystemExit(f"transformers step failed:\n{res.stderr[-3000:]}")
@@ -123,7 +148,7 @@ def _ours_cmd(ckpt: Path, a, steps: int, layout: str, work: Path, extra: list[st
     args = [f"model={model}", f"model.hf_path={ckpt}", f"parallel={layout}", f"train.steps={steps}",
             f"train.seq_len={a.seq}", f"train.global_batch_size={batch}",
             f"train.micro_batch_size={batch // world}", f"launch.threads_per_rank={threads}",
-            "train.max_grad_norm=1.0", "checkpoint=none", f"hydra.run.dir={run_dir}",
+            "train.max_grad_norm=1.0", "checkpoint=none", f"hydra.run.dir={run_dir}", f"device={a.device}",
             *(["train.mixed_precision.param_dtype=bfloat16"] if a.dtype == "bf16" else []), *extra]
     return [sys.executable, "-m", "hyperpar", *args], run_dir
 
@@ -160,14 +185,15 @@ def run_floor(ckpt: Path, a, steps: int, work: Path, extra: list[str]) -> tuple[
     return [max(x, y, key=lambda r: r["step_time_s"]) for x, y in zip(*pair)], None
 
 
-def summary(name: str, recs: list[list[dict]], flops_per_step: float, peak: float, warmup: int) -> dict:
+def summary(name: str, recs: list[list[dict]], flops_per_step: float, peak: float, warmup: int,
+            mem_label: str = "peak RSS/step") -> dict:
     times = [r["step_time_s"] for run in recs for r in run[warmup:]]
     mem = [r.get("peak_mem_mb") or 0.0 for run in recs for r in run[warmup:]]
     med = statistics.median(times)
     row = {"median_s": med, "min_s": min(times), "tokens_per_s": None, "peak_frac": flops_per_step / med / 1e9 / peak,
            "peak_mem_mb": max(mem)}
     print(f"{name:>14}: median step {med:.3f} s (min {min(times):.3f}, {len(times)} steps), "
-          f"{row['peak_frac']:.2f} of the matmul peak, peak RSS/step {row['peak_mem_mb']:.0f} MB")
+          f"{row['peak_frac']:.2f} of the matmul peak, {mem_label} {row['peak_mem_mb']:.0f} MB")
     return row
 
 
@@ -181,6 +207,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2, help="steps at the start of every run left out of the figures")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: one GPU (the first visible)")
     ap.add_argument("--fsdp", action="store_true", help="also time fsdp2 (threads/2 each) against single")
     ap.add_argument("--floor", action="store_true",
                     help="with --fsdp: also time two independent single runs at once (threads/2, half the batch "
@@ -190,6 +217,8 @@ def main() -> None:
                     help="also time transformers with subnormals flushed to zero, as our trainer runs by default")
     ap.add_argument("--ours", nargs="*", default=[], help="extra overrides for our runs (e.g. train.compile=true)")
     a = ap.parse_args()
+    if a.device == "cuda" and (a.fsdp or a.transformers_ftz):
+        ap.error("--fsdp and --transformers-ftz compare CPU runs (--device cpu)")
     if not 0 <= a.warmup < a.steps:
         ap.error(f"--warmup {a.warmup} leaves no timed step of --steps {a.steps}")
 
@@ -197,10 +226,11 @@ def main() -> None:
 
     def measure_peaks() -> None:
         for name, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
-            measured[name].append(matmul_peak(dt, a.threads))
+            measured[name].append(matmul_peak(dt, a.threads, device=a.device))
 
     measure_peaks()
-    print(f"machine: {os.cpu_count()} cores, {a.threads} threads; matmul peak fp32 {measured['fp32'][0]:.0f} GFLOP/s, "
+    where = torch.cuda.get_device_name(0) if a.device == "cuda" else f"{os.cpu_count()} cores, {a.threads} threads"
+    print(f"machine: {where}; matmul peak fp32 {measured['fp32'][0]:.0f} GFLOP/s, "
           f"bf16 {measured['bf16'][0]:.0f} GFLOP/s (measured again after every round)")
     work = Path(tempfile.mkdtemp(prefix="hyperpar-bench-"))
     ckpt = work / "ckpt"
@@ -242,13 +272,14 @@ def main() -> None:
     # Against the machine's fastest GEMM: on a CPU without bf16 GEMM that is fp32's (which our bf16
     # step uses there, train.mixed_precision.cpu_matmul), elsewhere bf16's.
     peak = max(peaks[a.dtype], peaks["fp32"])
-    rows = {k: summary(k, v, flops_per_step, peak, a.warmup) for k, v in recs.items()}
+    mem_label = "peak GPU memory/step" if a.device == "cuda" else "peak RSS/step"
+    rows = {k: summary(k, v, flops_per_step, peak, a.warmup, mem_label) for k, v in recs.items()}
     for k, v in startup.items():
         if v:
             print(f"{k:>14}: launch to first step {statistics.median(v):.1f} s (process start, model load, first batch)")
     if "transformers" in rows:
         print(f"ratio transformers / ours ({a.dtype}, {a.config}): {rows['transformers']['median_s'] / rows['ours']['median_s']:.2f}x; "
-              f"peak RSS/step ours {rows['ours']['peak_mem_mb']:.0f} MB vs transformers {rows['transformers']['peak_mem_mb']:.0f} MB")
+              f"{mem_label} ours {rows['ours']['peak_mem_mb']:.0f} MB vs transformers {rows['transformers']['peak_mem_mb']:.0f} MB")
     if "transformers ftz" in rows:
         print(f"ratio transformers (flush-to-zero) / ours: {rows['transformers ftz']['median_s'] / rows['ours']['median_s']:.2f}x")
     if "ours fsdp2" in rows:

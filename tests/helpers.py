@@ -252,6 +252,7 @@ def _probe_trainer_cls():
             PROBES[str(kwargs["run_dir"])] = {
                 "threads": torch.get_num_threads(),
                 "deterministic": torch.are_deterministic_algorithms_enabled(),
+                "fill_uninitialized_memory": torch.utils.deterministic.fill_uninitialized_memory,
                 # fully_shard renames a wrapped class FSDP<name>
                 "checkpointed_blocks": sum("CheckpointWrapper" in type(m).__name__ for m in self.model.modules()),
                 "peak_flops": self.peak_flops,

@@ -102,6 +102,26 @@ def test_dry_run_rejects_a_device_the_run_would_refuse(tmp_path):
     assert make_plan(OmegaConf.merge(compose_cfg(["device=cpu", "parallel=fsdp2"]), {"run_dir": str(tmp_path)})).ok
 
 
+def test_plan_refuses_more_ranks_than_visible_gpus(tmp_path, monkeypatch):
+    """fsdp4 on a one-GPU host failed in set_device / NCCL with nothing about the layout; the plan now says
+    how many processes the layout starts and how many devices there are (torchrun: its local share)."""
+    from omegaconf import OmegaConf
+
+    from helpers import compose_cfg
+    from hyperpar.errors import ConfigError
+    from hyperpar.plan import make_plan
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    cfg = OmegaConf.merge(compose_cfg(["device=cuda", "parallel=fsdp4"]), {"run_dir": str(tmp_path)})
+    with pytest.raises(ConfigError, match="starts 4 processes on this node, one per cuda device, but 1 cuda device is visible"):
+        make_plan(cfg, strict=True)
+    assert "1 cuda device is visible" in make_plan(cfg, strict=False).render()
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")  # torchrun over 4 nodes, one GPU each
+    assert make_plan(cfg, strict=True).ok
+
+
 def test_float16_warns_that_there_is_no_loss_scaling(capsys, monkeypatch):
     from helpers import compose_cfg
     from hyperpar.config import check_values

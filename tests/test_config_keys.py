@@ -361,6 +361,8 @@ EFFECTS: dict[str, Effect] = {
     "train.activation_checkpoint": Effect("run", ["train.activation_checkpoint=full"], view=probe("checkpointed_blocks")),
     "train.log_every": Effect("run", ["train.log_every=2"], view=log_steps),
     "train.deterministic": Effect("run", ["train.deterministic=false"], view=probe("deterministic")),
+    "train.fill_uninitialized_memory": Effect("run", ["train.fill_uninitialized_memory=true"],
+                                              view=probe("fill_uninitialized_memory")),
     # the numerics: tests/test_lm_head.py and tests/test_cross_entropy.py
     "train.fused_head_loss": Effect("run", ["train.fused_head_loss=false"], view=probe("fused_heads")),
     "train.stop_after_steps": Effect("run", ["train.stop_after_steps=1"], view=field("step")),

@@ -15,7 +15,7 @@ from hyperpar.train import cross_entropy as ce
 @pytest.mark.parametrize("hint", [0.7, 1.0, None])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cross_entropy_sum_equals_torch(monkeypatch, dtype, hint):
-    monkeypatch.setattr(ce, "_row_chunk", lambda vocab: 7)  # 50 rows: 7 full chunks and one of 1
+    monkeypatch.setattr(ce, "_row_chunk", lambda vocab, device=None: 7)  # 50 rows: 7 full chunks and one of 1
     torch.manual_seed(0)
     x = (torch.randn(50, 300) * 4).to(dtype).requires_grad_()
     y = torch.randint(0, 300, (50,))
@@ -63,7 +63,7 @@ def test_linear_cross_entropy_sum_against_fp64(monkeypatch, hint_matches):
     """The fused head + loss: value and both gradients against fp64, over several chunks (a ragged
     last one) with ignored rows; a real upstream gradient other than the hint is applied in backward."""
     monkeypatch.setattr(ce, "_head_rows", lambda vocab, device: 7)  # 50 rows: 7 full chunks and one of 1
-    monkeypatch.setattr(ce, "_row_chunk", lambda vocab: 6)  # a chunk's element-wise work in blocks of 3, 3, 1
+    monkeypatch.setattr(ce, "_row_chunk", lambda vocab, device=None: 6)  # a chunk's element-wise work in blocks of 3, 3, 1
     torch.manual_seed(0)
     h = torch.randn(50, 24, requires_grad=True)
     w = (torch.randn(300, 24) * 0.5).requires_grad_()

@@ -128,3 +128,20 @@ def test_mtp_on_one_token_rows_is_one_line(tmp_path):
 
     res = cli_small(tmp_path / "run", ["model=qwen3_5_moe", "model.mtp_loss_weight=0.3", "train.seq_len=1"], steps=1)
     assert res.returncode == 2 and "needs train.seq_len >= 2" in one_error_line(res), res.stderr[-2000:]
+
+
+def test_deterministic_run_skips_the_nan_fill_and_hands_it_back(tmp_path):
+    """train.deterministic keeps deterministic kernels without PyTorch's NaN fill of every new tensor
+    (train.fill_uninitialized_memory, default off: ~40 % more kernels in a GPU step); the setting is
+    the caller's again after an in-process run."""
+    from torch.utils import deterministic
+
+    from helpers import PROBES, run_small
+
+    before = deterministic.fill_uninitialized_memory
+    for fill in (False, True):
+        run = tmp_path / str(fill)
+        run_small(run, ["trainer._target_=helpers.ProbeTrainer", f"train.fill_uninitialized_memory={fill}"], steps=1)
+        assert PROBES[str(run)]["deterministic"] is True
+        assert PROBES[str(run)]["fill_uninitialized_memory"] is fill
+        assert deterministic.fill_uninitialized_memory is before

@@ -66,6 +66,17 @@ class DeviceInfo:
             return self.module.max_memory_allocated() / 2**20
         return _cpu_peak.peak_mb()
 
+    def check_local_processes(self, n: int) -> None:
+        """One rank per accelerator: ``n`` processes on this node need ``n`` visible devices (a second rank
+        on a device would fail deep in NCCL/HCCL, or in set_device, with no word of the layout)."""
+        if self.type == "cpu":
+            return
+        have = self.module.device_count()
+        if n > have:
+            raise ConfigError(f"the layout starts {n} processes on this node, one per {self.type} device, but "
+                              f"{have} {self.type} device{'s are' if have != 1 else ' is'} visible",
+                              hint=f"pick a layout of at most {have} processes per node, or device=cpu (gloo runs any layout)")
+
     def memory_capacity_mb(self) -> float | None:
         if self.type != "cpu":
             return self.module.get_device_properties(0).total_memory / 2**20
@@ -129,15 +140,22 @@ class _CpuPeak:
 _cpu_peak = _CpuPeak()
 
 
-def set_deterministic(enabled: bool) -> None:
+def set_deterministic(enabled: bool, fill_uninitialized_memory: bool = False) -> bool:
     """train.deterministic: deterministic kernels where PyTorch has them (a warning names an op that has
-    none), cuBLAS's fixed workspace, no cuDNN autotuning. CUBLAS_WORKSPACE_CONFIG must be set before the
-    first cuBLAS call, so the worker calls this before it builds anything on the device."""
+    none), cuBLAS's fixed workspace, no cuDNN autotuning; with ``fill_uninitialized_memory``
+    (train.fill_uninitialized_memory) also PyTorch's NaN fill of every new tensor. CUBLAS_WORKSPACE_CONFIG
+    must be set before the first cuBLAS call, so the worker calls this before it builds anything on the
+    device. Returns the fill setting it replaced (an in-process caller's, handed back at the end)."""
+    from torch.utils import deterministic
+
     if enabled:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(enabled, warn_only=True)
+    before = deterministic.fill_uninitialized_memory
+    deterministic.fill_uninitialized_memory = bool(fill_uninitialized_memory)
     torch.backends.cudnn.benchmark = not enabled
     torch.backends.cudnn.deterministic = enabled
+    return before
 
 
 def resolve_device(name: str = "auto") -> DeviceInfo:

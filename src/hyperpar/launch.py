@@ -97,7 +97,8 @@ def worker_main(cfg: DictConfig, run_dir: str) -> dict[str, Any]:
     rank, world, local_rank, local_world = env_rank()
     setup_rank_logging(run_dir, rank, console=rank == 0)
     torch.set_num_threads(_threads_for(local_world, cfg.launch.threads_per_rank))
-    set_deterministic(bool(cfg.train.deterministic))  # before the first kernel on the device
+    # before the first kernel on the device
+    fill_before = set_deterministic(bool(cfg.train.deterministic), bool(cfg.train.fill_uninitialized_memory))
     dev = resolve_device(cfg.device)
     denormals_before = denormals.flushing()  # an in-process caller's own mode is handed back as it was
     matmul_before = cpu_matmul.set_policy(cfg.train.mixed_precision.cpu_matmul)
@@ -188,6 +189,7 @@ def worker_main(cfg: DictConfig, run_dir: str) -> dict[str, Any]:
         raise
     finally:
         preemption.restore()
+        torch.utils.deterministic.fill_uninitialized_memory = fill_before
         if denormals.flushing() != denormals_before:
             denormals.flush_denormals(denormals_before)
         cpu_matmul.set_policy(matmul_before)

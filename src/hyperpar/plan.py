@@ -7,6 +7,7 @@ fraction of a second instead of a cluster allocation.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 from omegaconf import DictConfig
@@ -175,7 +176,10 @@ def make_plan(cfg: DictConfig, *, strict: bool = True) -> Plan:
     from hyperpar.device import resolve_device
 
     try:  # an unknown device, or one this host does not have, would stop the run before its first step
-        device_type = resolve_device(cfg.device).type
+        dev = resolve_device(cfg.device)
+        device_type = dev.type
+        # torchrun says how many ranks share this node; our own launcher starts the whole world here
+        dev.check_local_processes(int(os.environ.get("LOCAL_WORLD_SIZE", pdims.world_size)))
     except ConfigError as e:
         if strict:
             raise

@@ -12,6 +12,9 @@ attention's varlen kernel; elsewhere one causal SDPA call per document when docu
 
 from __future__ import annotations
 
+import functools
+import inspect
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -64,6 +67,13 @@ def attention_core(
     return out.transpose(1, 2)
 
 
+@functools.cache
+def _varlen_has_gqa() -> bool:
+    from torch.nn.attention.varlen import varlen_attn
+
+    return "enable_gqa" in inspect.signature(varlen_attn).parameters
+
+
 def _document_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, gqa: bool, doc: Documents, impl: str
 ) -> torch.Tensor:
@@ -79,8 +89,11 @@ def _document_attention(
         from torch.nn.attention.varlen import varlen_attn
 
         cu, L = doc.cu_seqlens, doc.max_seqlen
-        out = varlen_attn(q.reshape(B * S, nh, hd), k.reshape(B * S, -1, hd), v.reshape(B * S, -1, hd),
-                          cu, cu, L, L, scale=scale, window_size=(-1, 0), enable_gqa=gqa)
+        k, v = k.reshape(B * S, -1, hd), v.reshape(B * S, -1, hd)
+        gqa_kw = {"enable_gqa": gqa} if _varlen_has_gqa() else {}
+        if gqa and not gqa_kw:  # an older torch's kernel wants one k/v head per query head
+            k, v = (t.repeat_interleave(nh // t.shape[1], dim=1) for t in (k, v))
+        out = varlen_attn(q.reshape(B * S, nh, hd), k, v, cu, cu, L, L, scale=scale, window_size=(-1, 0), **gqa_kw)
         return out.view(B, S, nh, hd)
     if impl == "split":
         # split() is one autograd node: its backward concatenates the per-document gradients instead
