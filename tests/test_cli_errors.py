@@ -122,6 +122,17 @@ def test_plan_refuses_more_ranks_than_visible_gpus(tmp_path, monkeypatch):
     assert make_plan(cfg, strict=True).ok
 
 
+def test_warmup_longer_than_the_run_warns(capsys, monkeypatch):
+    from helpers import compose_cfg
+    from hyperpar.config import check_values
+
+    monkeypatch.delenv("RANK", raising=False)
+    check_values(compose_cfg(["train.steps=10", "optim.warmup_steps=40"]))
+    assert "optim.warmup_steps=40 > train.steps=10" in capsys.readouterr().err
+    check_values(compose_cfg(["train.steps=10", "optim.warmup_steps=10"]))  # reaches optim.lr at its last step
+    assert "warmup" not in capsys.readouterr().err
+
+
 def test_float16_warns_that_there_is_no_loss_scaling(capsys, monkeypatch):
     from helpers import compose_cfg
     from hyperpar.config import check_values
