@@ -304,11 +304,6 @@ def check_values(cfg: DictConfig, *, warn: bool = True) -> DictConfig:
             and int(os.environ.get("RANK", 0)) == 0:
         print("[hyperpar] warning: param_dtype=float16 has no loss scaling here: small gradients underflow to "
               "zero; bfloat16 keeps fp32's range", file=sys.stderr)
-    warmup = OmegaConf.select(cfg, "optim.warmup_steps", default=0) or 0
-    steps = OmegaConf.select(cfg, "train.steps", default=0) or 0
-    if warn and 0 < steps < warmup and int(os.environ.get("RANK", 0)) == 0:
-        print(f"[hyperpar] warning: optim.warmup_steps={warmup} > train.steps={steps}: the learning rate is still "
-              f"rising when the run ends (at most {steps / warmup:.3g} x optim.lr) and never decays", file=sys.stderr)
     return cfg
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 from functools import partial
 
@@ -10,6 +11,7 @@ import torch
 from hyperpar.errors import ConfigError
 
 SCHEDULES = ("cosine", "linear", "constant")
+log = logging.getLogger("hyperpar")
 
 
 def lr_multiplier(step: int, *, warmup_steps: int, total_steps: int, schedule: str, min_lr_ratio: float) -> float:
@@ -29,6 +31,9 @@ def build_scheduler(optimizer: torch.optim.Optimizer, *, schedule: str, warmup_s
                     min_lr_ratio: float) -> torch.optim.lr_scheduler.LambdaLR:
     if schedule not in SCHEDULES:
         raise ConfigError(f"optim.schedule='{schedule}' is not one of {', '.join(SCHEDULES)}")
+    if 0 < total_steps < warmup_steps:
+        log.warning("optim.warmup_steps=%d > train.steps=%d: the learning rate is still rising when the run ends "
+                    "(at most %.3g x optim.lr) and never decays", warmup_steps, total_steps, total_steps / warmup_steps)
     fn = partial(lr_multiplier, warmup_steps=warmup_steps, total_steps=total_steps, schedule=schedule, min_lr_ratio=min_lr_ratio)
     return torch.optim.lr_scheduler.LambdaLR(optimizer, fn)
 
