@@ -206,7 +206,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5, help="steps per run, warm-up included")
     ap.add_argument("--warmup", type=int, default=2, help="steps at the start of every run left out of the figures")
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=None,
+                    help="host threads per side (default: 2 on CPU, every core with --device cuda, as a GPU user runs)")
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: one GPU (the first visible)")
     ap.add_argument("--fsdp", action="store_true", help="also time fsdp2 (threads/2 each) against single")
     ap.add_argument("--floor", action="store_true",
@@ -217,6 +218,8 @@ def main() -> None:
                     help="also time transformers with subnormals flushed to zero, as our trainer runs by default")
     ap.add_argument("--ours", nargs="*", default=[], help="extra overrides for our runs (e.g. train.compile=true)")
     a = ap.parse_args()
+    if a.threads is None:
+        a.threads = (os.cpu_count() or 1) if a.device == "cuda" else 2
     if a.device == "cuda" and (a.fsdp or a.transformers_ftz):
         ap.error("--fsdp and --transformers-ftz compare CPU runs (--device cpu)")
     if not 0 <= a.warmup < a.steps:
@@ -229,7 +232,8 @@ def main() -> None:
             measured[name].append(matmul_peak(dt, a.threads, device=a.device))
 
     measure_peaks()
-    where = torch.cuda.get_device_name(0) if a.device == "cuda" else f"{os.cpu_count()} cores, {a.threads} threads"
+    where = f"{torch.cuda.get_device_name(0)}, " if a.device == "cuda" else ""
+    where += f"{os.cpu_count()} cores, {a.threads} threads"
     print(f"machine: {where}; matmul peak fp32 {measured['fp32'][0]:.0f} GFLOP/s, "
           f"bf16 {measured['bf16'][0]:.0f} GFLOP/s (measured again after every round)")
     work = Path(tempfile.mkdtemp(prefix="hyperpar-bench-"))
