@@ -118,7 +118,12 @@ def test_plan_refuses_more_ranks_than_visible_gpus(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match="starts 4 processes on this node, one per cuda device, but 1 cuda device is visible"):
         make_plan(cfg, strict=True)
     assert "1 cuda device is visible" in make_plan(cfg, strict=False).render()
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")  # torchrun over 4 nodes, one GPU each
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")  # left over from some other launch: not ours to read
+    with pytest.raises(ConfigError, match="starts 4 processes") as err:
+        make_plan(cfg, strict=True)
+    assert "at most 1 process per node" in err.value.hint
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")  # torchrun over 4 nodes, one GPU each
+    monkeypatch.delenv("HYPERPAR_WORKER", raising=False)
     assert make_plan(cfg, strict=True).ok
 
 
@@ -131,6 +136,17 @@ def test_warmup_longer_than_the_run_warns(hyperpar_log):
     hyperpar_log.clear()
     build_scheduler(opt, schedule="cosine", warmup_steps=10, total_steps=10, min_lr_ratio=0.1)  # reaches optim.lr
     assert not any("warmup" in line for line in hyperpar_log)
+
+
+def test_fill_without_deterministic_warns(capsys, monkeypatch):
+    from helpers import compose_cfg
+    from hyperpar.config import check_values
+
+    monkeypatch.delenv("RANK", raising=False)
+    check_values(compose_cfg(["train.fill_uninitialized_memory=true", "train.deterministic=false"]))
+    assert "does nothing with train.deterministic=false" in capsys.readouterr().err
+    check_values(compose_cfg(["train.fill_uninitialized_memory=true"]))
+    assert "fill_uninitialized_memory" not in capsys.readouterr().err
 
 
 def test_float16_warns_that_there_is_no_loss_scaling(capsys, monkeypatch):

@@ -162,6 +162,33 @@ def test_attention_is_block_causal(impl):
         assert (a - b).abs().max() < 1e-12
 
 
+def test_varlen_without_enable_gqa_repeats_each_kv_head_for_its_query_heads(monkeypatch):
+    """torch before 2.13 has no ``enable_gqa`` in ``varlen_attn`` (seen on an H200 with torch 2.11): each
+    k/v head is then repeated for the query heads it serves. A stand-in for the CUDA-only kernel that
+    refuses grouped heads checks the repeat against the per-document path on CPU."""
+    import torch.nn.functional as F
+    from torch.nn.attention import varlen
+
+    from hyperpar.models.layers import attention
+
+    def fake_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, scale, window_size, **kw):
+        assert "enable_gqa" not in kw and k.shape[1] == q.shape[1] == v.shape[1] and window_size == (-1, 0)
+        bounds = cu_q.tolist()
+        outs = [F.scaled_dot_product_attention(*(t[a:b].transpose(0, 1) for t in (q, k, v)), is_causal=True,
+                                               scale=scale).transpose(0, 1) for a, b in zip(bounds, bounds[1:])]
+        return torch.cat(outs)
+
+    monkeypatch.setattr(varlen, "varlen_attn", fake_varlen)
+    monkeypatch.setattr(attention, "_varlen_has_gqa", lambda: False)
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(3, 128, 8, 8, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(3, 128, 2, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    doc = _doc_eq()
+    got = attention_core(q, k, v, scale=0.3, doc=doc, doc_impl="varlen")
+    want = attention_core(q, k, v, scale=0.3, doc=doc, doc_impl="split")
+    assert (got - want).abs().max() < 1e-12
+
+
 def test_head_sharded_recurrence_sees_the_same_documents():
     """Tensor parallelism hands the kernel a subset of heads with the whole sequence: the slice of
     the full output, boundaries included."""

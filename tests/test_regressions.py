@@ -139,9 +139,16 @@ def test_deterministic_run_skips_the_nan_fill_and_hands_it_back(tmp_path):
     from helpers import PROBES, run_small
 
     before = deterministic.fill_uninitialized_memory
+    assert before is True  # torch's default: the runs below turn it off or keep it on
     for fill in (False, True):
         run = tmp_path / str(fill)
         run_small(run, ["trainer._target_=helpers.ProbeTrainer", f"train.fill_uninitialized_memory={fill}"], steps=1)
         assert PROBES[str(run)]["deterministic"] is True
         assert PROBES[str(run)]["fill_uninitialized_memory"] is fill
         assert deterministic.fill_uninitialized_memory is before
+    # a job that fails before its process group exists hands the setting back too
+    from hyperpar.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="unknown device"):
+        run_small(tmp_path / "bad", ["device=xyz"], steps=1)  # sets the fill off, then fails
+    assert deterministic.fill_uninitialized_memory is before

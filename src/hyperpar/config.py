@@ -298,6 +298,10 @@ def check_values(cfg: DictConfig, *, warn: bool = True) -> DictConfig:
             good = False
         if not good:
             raise ConfigError(f"{key}={value} must be {what}")
+    if warn and OmegaConf.select(cfg, "train.fill_uninitialized_memory", default=False) \
+            and not OmegaConf.select(cfg, "train.deterministic", default=True) and int(os.environ.get("RANK", 0)) == 0:
+        print("[hyperpar] warning: train.fill_uninitialized_memory=true does nothing with train.deterministic=false "
+              "(PyTorch fills new tensors only in deterministic mode)", file=sys.stderr)
     if warn and OmegaConf.select(cfg, "optim.lr", default=None) == 0 and int(os.environ.get("RANK", 0)) == 0:
         print("[hyperpar] warning: optim.lr=0: the weights will not change", file=sys.stderr)
     if warn and str(OmegaConf.select(cfg, "train.mixed_precision.param_dtype", default="")) in ("float16", "fp16") \

@@ -75,7 +75,8 @@ class DeviceInfo:
         if n > have:
             raise ConfigError(f"the layout starts {n} processes on this node, one per {self.type} device, but "
                               f"{have} {self.type} device{'s are' if have != 1 else ' is'} visible",
-                              hint=f"pick a layout of at most {have} processes per node, or device=cpu (gloo runs any layout)")
+                              hint=f"pick a layout of at most {have} process{'es' if have != 1 else ''} per node, "
+                                   "or device=cpu (gloo runs any layout)")
 
     def memory_capacity_mb(self) -> float | None:
         if self.type != "cpu":

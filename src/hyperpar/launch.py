@@ -97,26 +97,31 @@ def worker_main(cfg: DictConfig, run_dir: str) -> dict[str, Any]:
     rank, world, local_rank, local_world = env_rank()
     setup_rank_logging(run_dir, rank, console=rank == 0)
     torch.set_num_threads(_threads_for(local_world, cfg.launch.threads_per_rank))
+    # Process-wide settings this job changes, handed back as they were when it ends, failed or not (an
+    # in-process caller, a multirun's next job, the next test).
+    denormals_before = denormals.flushing()
+    matmul_before = gemm_before = preemption = None
+    pg_ours = False
     # before the first kernel on the device
     fill_before = set_deterministic(bool(cfg.train.deterministic), bool(cfg.train.fill_uninitialized_memory))
-    dev = resolve_device(cfg.device)
-    denormals_before = denormals.flushing()  # an in-process caller's own mode is handed back as it was
-    matmul_before = cpu_matmul.set_policy(cfg.train.mixed_precision.cpu_matmul)
-    gemm_before = onednn_gemm.set_policy(cfg.launch.cpu_gemm)
-    if dev.type == "cpu":  # on CPU the step's activations and gradients are host memory
-        tune_host_allocator(cfg.launch.host_allocator)
-        cpu_facts = []  # one console line for the CPU's run-time choices (a bad-input run stays short)
-        if cfg.launch.flush_denormals and denormals.flush_denormals(True, quiet=True) and denormals.flushing():
-            cpu_facts.append("subnormal floats flush to zero (launch.flush_denormals)")
-        cpu_facts += [fact for fact in (cpu_matmul.describe(dtype_of(cfg.train.mixed_precision.param_dtype)),
-                                        onednn_gemm.describe(int(cfg.parallel.tp) > 1)) if fact]
-        if cpu_facts:
-            log.info("CPU: %s", "; ".join(cpu_facts))
-    dev.set_device(local_rank)
-    device = dev.device(local_rank)
-    _init_process_group(dev.backend, rank, world)
-    preemption = PreemptionFlag().install()  # SIGTERM: finish the step, save, exit 0
     try:
+        dev = resolve_device(cfg.device)
+        matmul_before = cpu_matmul.set_policy(cfg.train.mixed_precision.cpu_matmul)
+        gemm_before = onednn_gemm.set_policy(cfg.launch.cpu_gemm)
+        if dev.type == "cpu":  # on CPU the step's activations and gradients are host memory
+            tune_host_allocator(cfg.launch.host_allocator)
+            cpu_facts = []  # one console line for the CPU's run-time choices (a bad-input run stays short)
+            if cfg.launch.flush_denormals and denormals.flush_denormals(True, quiet=True) and denormals.flushing():
+                cpu_facts.append("subnormal floats flush to zero (launch.flush_denormals)")
+            cpu_facts += [fact for fact in (cpu_matmul.describe(dtype_of(cfg.train.mixed_precision.param_dtype)),
+                                            onednn_gemm.describe(int(cfg.parallel.tp) > 1)) if fact]
+            if cpu_facts:
+                log.info("CPU: %s", "; ".join(cpu_facts))
+        dev.set_device(local_rank)
+        device = dev.device(local_rank)
+        _init_process_group(dev.backend, rank, world)
+        pg_ours = True
+        preemption = PreemptionFlag().install()  # SIGTERM: finish the step, save, exit 0
         pdims = instantiate(cfg.parallel)
         if pdims.world_size != world:
             raise HyperparError(f"parallel.world_size={pdims.world_size} but the launcher started {world} processes",
@@ -188,14 +193,17 @@ def worker_main(cfg: DictConfig, run_dir: str) -> dict[str, Any]:
         _record_user_error(run_dir, e.one_line(), overwrite=rank == 0)
         raise
     finally:
-        preemption.restore()
+        if preemption is not None:
+            preemption.restore()
         torch.utils.deterministic.fill_uninitialized_memory = fill_before
         if denormals.flushing() != denormals_before:
             denormals.flush_denormals(denormals_before)
-        cpu_matmul.set_policy(matmul_before)
-        onednn_gemm.set_policy(gemm_before)
+        if matmul_before is not None:
+            cpu_matmul.set_policy(matmul_before)
+        if gemm_before is not None:
+            onednn_gemm.set_policy(gemm_before)
         shm_collectives.release()
-        if dist.is_initialized():
+        if pg_ours and dist.is_initialized():
             dist.destroy_process_group()
 
 

@@ -179,7 +179,10 @@ def make_plan(cfg: DictConfig, *, strict: bool = True) -> Plan:
         dev = resolve_device(cfg.device)
         device_type = dev.type
         # torchrun says how many ranks share this node; our own launcher starts the whole world here
-        dev.check_local_processes(int(os.environ.get("LOCAL_WORLD_SIZE", pdims.world_size)))
+        from hyperpar.launch import under_torchrun
+
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", pdims.world_size)) if under_torchrun() else pdims.world_size
+        dev.check_local_processes(local)
     except ConfigError as e:
         if strict:
             raise

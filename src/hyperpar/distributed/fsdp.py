@@ -67,7 +67,7 @@ def apply_fsdp(
 
 
 def _unshard_unfilled() -> None:
-    """FSDP's unshard and gradient reduction without ``train.deterministic``'s NaN fill of new
+    """FSDP's unshard and gradient reduction without the NaN fill (``train.fill_uninitialized_memory``) of new
     tensors. Under a 16-bit policy every unshard casts each fp32 shard into a fresh 16-bit tensor
     (the all-gather input; at one rank FSDP copies it into the unsharded parameter), and every
     reduction's copy-in (``chunk_cat`` of 16-bit gradients into the fp32 reduce buffer) goes through

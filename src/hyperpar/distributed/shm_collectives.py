@@ -32,7 +32,7 @@ share one ``/dev/shm`` (several hosts), or it cannot hold the file, the group ke
 log line saying so.
 
 Both comms, shared or not (``cpu_collectives=gloo``, one-rank units), allocate FSDP's collective
-buffers without the NaN fill ``train.deterministic`` puts into every new tensor (see
+buffers without the NaN fill ``train.fill_uninitialized_memory`` puts into every new tensor (see
 ``empty_unfilled``).
 """
 

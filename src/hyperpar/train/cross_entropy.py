@@ -54,7 +54,7 @@ def _chunked_loss(logits: torch.Tensor, safe: torch.Tensor, scale: torch.Tensor,
     """Each row's loss over fp32 row chunks of ``logits`` (any float dtype); with ``out`` also the
     gradient ``(softmax - onehot) * scale`` written into it. The fp32 working chunk is the gradient's
     own rows for fp32 logits, else one reused buffer: never a fresh or type-promoted temporary per
-    chunk (under train.deterministic each of those is NaN-filled first, ~3.6 ms per 16 MB chunk on one
+    chunk (with train.fill_uninitialized_memory each of those is NaN-filled first, ~3.6 ms per 16 MB chunk on one
     CPU core)."""
     T, V = logits.shape
     nll = torch.empty(T, dtype=torch.float32, device=logits.device)

@@ -96,7 +96,7 @@ def describe(tensor_parallel: bool = False) -> str | None:
 
 # A custom op of our own: inductor (train.compile) keeps it as one opaque kernel call, where it would
 # try (and fail) to lower torch's ``mkldnn._linear_pointwise`` as a prepacked-weight inference op.
-# Its output is allocated by oneDNN's op with ``at::empty``, which train.deterministic NaN-fills
+# Its output is allocated by oneDNN's op with ``at::empty``, which train.fill_uninitialized_memory NaN-fills
 # first; the GEMM writes it whole, so the fill is skipped (dense_small fp32: ~40 ms a step).
 @torch.library.custom_op("hyperpar::onednn_gemm", mutates_args=())
 def _gemm_op(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor]) -> torch.Tensor:
