@@ -103,9 +103,10 @@ def save_checkpoint(config: str, out: Path) -> None:
 # The transformers side, run in its own process (threads fixed before torch starts its pool).
 THEIRS = r'''
 import json, sys, time, torch
-from hyperpar.device import _cpu_peak
+from hyperpar.device import resolve_device
 ckpt, seq, batch, steps, dtype, moe, threads = sys.argv[1], *map(int, sys.argv[2:5]), sys.argv[5], sys.argv[6] == "1", int(sys.argv[7])
 device = sys.argv[9]
+dev = resolve_device(device)  # its peak memory: the CUDA allocator's, or the process's RSS on CPU
 torch.set_num_threads(threads)
 if sys.argv[8] == "1":  # before the OpenMP pool starts: its threads copy the mode
     torch.set_flush_denormal(True)
@@ -117,7 +118,7 @@ gen = torch.Generator().manual_seed(0)
 extra = {"output_router_logits": True} if moe else {}
 for step in range(steps):
     ids = torch.randint(0, model.config.vocab_size, (batch, seq), generator=gen).to(device)
-    torch.cuda.reset_peak_memory_stats() if device == "cuda" else _cpu_peak.reset()
+    dev.reset_peak_memory()
     t0 = time.perf_counter()
     loss = model(input_ids=ids, labels=ids, use_cache=False, **extra).loss
     loss.backward()
@@ -125,8 +126,7 @@ for step in range(steps):
     opt.step()
     opt.zero_grad(set_to_none=True)
     loss = loss.item()  # waits for the GPU's queue: the step is done
-    peak = torch.cuda.max_memory_allocated() / 2**20 if device == "cuda" else _cpu_peak.peak_mb()
-    print(json.dumps({"step": step + 1, "step_time_s": time.perf_counter() - t0, "peak_mem_mb": peak, "loss": loss}), flush=True)
+    print(json.dumps({"step": step + 1, "step_time_s": time.perf_counter() - t0, "peak_mem_mb": dev.peak_memory_mb(), "loss": loss}), flush=True)
 '''
 
 

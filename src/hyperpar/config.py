@@ -298,14 +298,14 @@ def check_values(cfg: DictConfig, *, warn: bool = True) -> DictConfig:
             good = False
         if not good:
             raise ConfigError(f"{key}={value} must be {what}")
-    if warn and OmegaConf.select(cfg, "train.fill_uninitialized_memory", default=False) \
-            and not OmegaConf.select(cfg, "train.deterministic", default=True) and int(os.environ.get("RANK", 0)) == 0:
+    speak = warn and int(os.environ.get("RANK", 0)) == 0  # warnings come from rank 0 only
+    if speak and OmegaConf.select(cfg, "train.fill_uninitialized_memory", default=False) \
+            and not OmegaConf.select(cfg, "train.deterministic", default=True):
         print("[hyperpar] warning: train.fill_uninitialized_memory=true does nothing with train.deterministic=false "
               "(PyTorch fills new tensors only in deterministic mode)", file=sys.stderr)
-    if warn and OmegaConf.select(cfg, "optim.lr", default=None) == 0 and int(os.environ.get("RANK", 0)) == 0:
+    if speak and OmegaConf.select(cfg, "optim.lr", default=None) == 0:
         print("[hyperpar] warning: optim.lr=0: the weights will not change", file=sys.stderr)
-    if warn and str(OmegaConf.select(cfg, "train.mixed_precision.param_dtype", default="")) in ("float16", "fp16") \
-            and int(os.environ.get("RANK", 0)) == 0:
+    if speak and str(OmegaConf.select(cfg, "train.mixed_precision.param_dtype", default="")) in ("float16", "fp16"):
         print("[hyperpar] warning: param_dtype=float16 has no loss scaling here: small gradients underflow to "
               "zero; bfloat16 keeps fp32's range", file=sys.stderr)
     return cfg

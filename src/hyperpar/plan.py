@@ -7,7 +7,6 @@ fraction of a second instead of a cluster allocation.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 from omegaconf import DictConfig
@@ -179,10 +178,9 @@ def make_plan(cfg: DictConfig, *, strict: bool = True) -> Plan:
         dev = resolve_device(cfg.device)
         device_type = dev.type
         # torchrun says how many ranks share this node; our own launcher starts the whole world here
-        from hyperpar.launch import under_torchrun
+        from hyperpar.launch import env_rank, under_torchrun
 
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", pdims.world_size)) if under_torchrun() else pdims.world_size
-        dev.check_local_processes(local)
+        dev.check_local_processes(env_rank()[3] if under_torchrun() else pdims.world_size)
     except ConfigError as e:
         if strict:
             raise

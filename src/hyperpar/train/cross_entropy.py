@@ -27,10 +27,11 @@ IGNORE_INDEX = -100
 
 def _row_chunk(vocab: int, device: torch.device | None = None) -> int:
     # A CPU works through ~16 MB of fp32 at a time (the chunk's passes stay in cache); a GPU streams
-    # from its memory anyway and pays per kernel launch instead: ~256 MB (on an H200, dense_small's fp32
-    # step at 8 x 1024 tokens launched ~1000 kernels for 64-row blocks, ~50 ms of a 0.15 s step).
+    # from its memory anyway and pays per kernel launch instead: a head chunk's size (on an H200,
+    # dense_small's fp32 step at 8 x 1024 tokens launched ~1000 kernels for 64-row blocks, ~50 ms of a
+    # 0.15 s step).
     if device is not None and device.type != "cpu":
-        return max(256, (1 << 26) // max(vocab, 1))
+        return _head_rows(vocab, device)
     return max(1, (1 << 22) // max(vocab, 1))
 
 
@@ -194,7 +195,7 @@ class _LinearCrossEntropySum(torch.autograd.Function):
             p = _mm(h, wt, out=None if buf is None else buf[:h.shape[0]])  # the logits, turned in place into
             # their gradient below, on a CPU a cache-sized block of rows at a time (the GEMMs want the
             # whole chunk): 2048 x 32000 on 2 AMD cores, 44 ms in 64-row blocks against 92 ms whole
-            blk = max(1, _row_chunk(V, h.device) // 2) if h.device.type == "cpu" else h.shape[0]
+            blk = max(1, _row_chunk(V) // 2) if h.device.type == "cpu" else h.shape[0]
             for b in range(0, h.shape[0], blk):
                 rows = slice(a + b, a + min(b + blk, h.shape[0]))
                 nll[rows] = _loss_and_gradient_(p[b:b + blk], safe[rows], scale[rows], want_h or want_w)
