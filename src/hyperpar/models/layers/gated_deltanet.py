@@ -2,8 +2,8 @@
 
 ``chunk_gated_delta_rule`` is the chunked (WY / UT-transform) form of the gated delta rule,
 written for CPU/NPU training where no Triton kernel exists: everything that does not depend on the
-carried state is computed for all chunks at once, and the sequential part per chunk is two small
-batched matmuls.
+carried state is computed for all chunks at once, and the sequential part per chunk is three small
+batched matmuls on the carried state (its read by the chunk's queries, W S, the state update).
 """
 
 from __future__ import annotations
