@@ -101,6 +101,30 @@ def test_compiled_16bit_conv_sums_taps_in_fp32(S: int) -> None:
         assert (got.double() - want).abs().max().item() <= 2**-6 * want.abs().max().item()
 
 
+@pytest.mark.parametrize("S", [1, 3, 37])
+def test_compiled_fp32_conv_matches_float64(S: int) -> None:
+    """train.compile's fp32 conv (the tap-major weight, one padded range per tap): output and both
+    gradients those of float64 arithmetic to fp32 rounding (a tap or weight row swapped is off by O(1))."""
+    from hyperpar.models.layers import gated_deltanet as gd
+
+    torch.manual_seed(1)
+    C, K = 40, 4
+    x = torch.randn(2, S, C, requires_grad=True)
+    w = torch.randn(C, 1, K, requires_grad=True)
+    go = torch.randn(2, S, C)
+    gd._fused_convs.clear()
+    out = causal_depthwise_conv1d(x, w, compiled=True)
+    out.backward(go)
+    assert set(gd._fused_convs) == {"forward", "backward"}
+    x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    ref = F.silu(F.conv1d(x64.transpose(1, 2), w64, padding=K - 1, groups=C)[:, :, :S].transpose(1, 2))
+    ref.backward(go.double())
+    assert (out.double() - ref).abs().max().item() <= 1e-5
+    for got, want in ((x.grad, x64.grad), (w.grad, w64.grad)):
+        assert got.dtype == torch.float32 and got.shape == want.shape
+        assert (got.double() - want).abs().max().item() <= 1e-5 * max(1.0, want.abs().max().item())
+
+
 def test_layer_matches_transformers() -> None:
     transformers = pytest.importorskip("transformers")
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet

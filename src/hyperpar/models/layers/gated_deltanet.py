@@ -46,7 +46,7 @@ class _CausalConvSilu(torch.autograd.Function):
         ctx.fixups = fixups
         ctx.fused = fused
         if fused:
-            y, out = _fused_conv("forward")(x, w, silu)
+            y, out = _fused_conv("forward")(x, w.t().contiguous(), silu)
             ctx.save_for_backward(x, w, y)
             return out
         # x: (B, S, C) contiguous; w: (C, K). Tap i reads x shifted right by K−1−i.
@@ -68,8 +68,9 @@ class _CausalConvSilu(torch.autograd.Function):
         K, S = w.shape[1], x.shape[1]
         grad_out = grad_out.contiguous()
         if ctx.fused:
-            dx, dw = _fused_conv("backward")(grad_out, x, w, y, ctx.silu)
-            return (dx if ctx.needs_input_grad[0] else None), (dw if ctx.needs_input_grad[1] else None), None, None, None
+            dx, dwt = _fused_conv("backward")(grad_out, x, w.t().contiguous(), y, ctx.silu)
+            dw = dwt.t().contiguous() if ctx.needs_input_grad[1] else None
+            return (dx if ctx.needs_input_grad[0] else None), dw, None, None, None
         dy = torch.ops.aten.silu_backward(grad_out, y) if ctx.silu else grad_out
         fixed = None
         if ctx.fixups is not None:
@@ -97,37 +98,48 @@ class _CausalConvSilu(torch.autograd.Function):
         return dx, dw, None, None, None
 
 
-def _conv_forward(x: torch.Tensor, w: torch.Tensor, silu: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """The causal conv's taps summed in fp32, rounded once to x's dtype; (pre-activation, output)."""
-    K, S = w.shape[1], x.shape[1]
-    xf, wf = x.float(), w.float()
-    acc = xf * wf[:, K - 1]
-    for s in range(1, min(K, S)):
-        acc = acc + F.pad(xf[:, : S - s] * wf[:, K - 1 - s], (0, 0, s, 0))
+def _conv_forward(x: torch.Tensor, wt: torch.Tensor, silu: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The causal conv's taps summed in fp32, rounded once to x's dtype; (pre-activation, output).
+
+    Shaped for inductor: ``wt`` is the weight tap-major, (K, C) contiguous, so a tap's weights are
+    a row it loads as a vector (from the (C, K) layout they are a stride-K gather and the kernel
+    stays scalar: 2-3x slower); every tap reads one left-padded copy of x over the same range."""
+    K, S = wt.shape[0], x.shape[1]
+    xp, wf = F.pad(x.float(), (0, 0, K - 1, 0)), wt.float()
+    acc = xp[:, K - 1:] * wf[K - 1]
+    for s in range(1, K):  # tap K-1-s reads x shifted right by s
+        acc = acc + xp[:, K - 1 - s:K - 1 - s + S] * wf[K - 1 - s]
     y = acc.to(x.dtype)
     return y, (F.silu(y) if silu else y)
 
 
-def _conv_backward(grad_out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, y: torch.Tensor,
+def _conv_backward(grad_out: torch.Tensor, x: torch.Tensor, wt: torch.Tensor, y: torch.Tensor,
                    silu: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    K, S = w.shape[1], x.shape[1]
+    """(dx, dwt): the input's gradient and the weight's, tap-major (K, C) as ``wt``. The K weight
+    sums run over one range (the padded x), so inductor makes them one pass with K accumulators
+    (over K slices of different lengths they were K passes)."""
+    K, S = wt.shape[0], x.shape[1]
     dy = (torch.ops.aten.silu_backward(grad_out, y) if silu else grad_out).float()
-    xf, wf = x.float(), w.float()
-    dx = dy * wf[:, K - 1]
-    for s in range(1, min(K, S)):
-        dx = dx + F.pad(dy[:, s:] * wf[:, K - 1 - s], (0, 0, 0, s))
-    cols = [(dy[:, s:] * xf[:, : S - s]).sum((0, 1)) if s < S else torch.zeros_like(wf[:, 0]) for s in range(K)]
-    return dx.to(x.dtype), torch.stack(cols[::-1], dim=1).to(w.dtype)
+    wf = wt.float()
+    dp = F.pad(dy, (0, 0, 0, K - 1))
+    dx = dy * wf[K - 1]
+    for s in range(1, K):
+        dx = dx + dp[:, s:s + S] * wf[K - 1 - s]
+    xp = F.pad(x.float(), (0, 0, K - 1, 0))
+    dwt = torch.stack([(dy * xp[:, k:k + S]).sum((0, 1)) for k in range(K)], dim=0)
+    return dx.to(x.dtype), dwt.to(wt.dtype)
 
 
 _fused_convs: dict[str, object] = {}
+_FUSED_CONV_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _fused_conv(which: str):
     """The conv's forward or backward through ``torch.compile`` (one graph per shape). Eager, a 16-bit
-    multiply-add is several ops over the whole tensor, each converting to fp32 and back; compiled it
-    is one pass (bf16, (2, 1024, 512): 12.5 against 4.8 ms forward and backward on 2 AMD cores). fp32
-    gains nothing (measured: level or slower), so only 16-bit tensors take it."""
+    multiply-add is several ops over the whole tensor, each converting to fp32 and back, and even the
+    in-place fp32 taps are K passes each way; compiled, the forward is one pass and the backward two
+    (dx, then the K weight sums together). (2, 1024, 512) forward and backward on 2 AMD cores: bf16
+    8.9 ms eager, 2.4 compiled; fp32 5.8 eager, 3.5 compiled."""
     if which not in _fused_convs:
         fn = _conv_forward if which == "forward" else _conv_backward
         _fused_convs[which] = torch.compile(fn, dynamic=False)
@@ -147,14 +159,14 @@ def causal_depthwise_conv1d(
     than a grouped ``F.conv1d`` (which also needs two transposes). (Accumulating 16-bit taps in
     fp32 is faster on CPU, but moves the bf16 rounding enough to flip a near-tied MoE route
     against transformers' bf16 model: tests/test_qwen3_5_moe_parity.py.) ``compiled``
-    (``train.compile``): 16-bit tensors without packed documents take one compiled kernel each way,
-    which does sum the taps in fp32 (rounded once, as a compiled block rounds its fused element-wise
-    work).
+    (``train.compile``): fp32 and 16-bit tensors without packed documents take compiled kernels
+    (``_fused_conv``), which sum 16-bit taps in fp32 (rounded once, as a compiled block rounds its fused
+    element-wise work).
     """
     w = weight.view(weight.shape[0], weight.shape[-1])
     fixups = doc.conv_fixups(w.shape[1]) if doc is not None else None
     xw = x.to(w.dtype).contiguous()
-    fused = compiled and fixups is None and w.dtype in (torch.bfloat16, torch.float16) and xw.shape[1] > 0
+    fused = compiled and fixups is None and w.dtype in _FUSED_CONV_DTYPES and xw.shape[1] > 0
     y = _CausalConvSilu.apply(xw, w, silu, fixups, fused)
     return y.to(x.dtype)
 
