@@ -94,12 +94,19 @@ def describe(tensor_parallel: bool = False) -> str | None:
     return f"{why}: {which} run through oneDNN's GEMM (launch.cpu_gemm)"
 
 
-# A custom op of our own: inductor (train.compile) keeps it as one opaque kernel call, where it would
+# An op of our own: inductor (train.compile) keeps it as one opaque kernel call, where it would
 # try (and fail) to lower torch's ``mkldnn._linear_pointwise`` as a prepacked-weight inference op.
+# Defined through ``torch.library.Library``, not ``torch.library.custom_op``: the latter's Python
+# dispatch wrapper cost 60-250 us a call here (more for larger outputs; 225 calls a dense_small
+# step), the plain CPU kernel ~10 us. Every caller is inside an autograd.Function, so the op needs
+# no autograd formula of its own.
 # Its output is allocated by oneDNN's op with ``at::empty``, which train.fill_uninitialized_memory NaN-fills
 # first; the GEMM writes it whole, so the fill is skipped (dense_small fp32: ~40 ms a step).
-@torch.library.custom_op("hyperpar::onednn_gemm", mutates_args=())
-def _gemm_op(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor]) -> torch.Tensor:
+_LIB = torch.library.Library("hyperpar", "DEF")
+_LIB.define("onednn_gemm(Tensor x, Tensor w, Tensor? b) -> Tensor")
+
+
+def _gemm_kernel(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor]) -> torch.Tensor:
     if x.dim() == 2:
         with unfilled():
             return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
@@ -109,9 +116,15 @@ def _gemm_op(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor]) -> tor
     return torch.ops.aten._unsafe_view(y, (*x.shape[:-1], w.shape[0]))
 
 
-@_gemm_op.register_fake
+_LIB.impl("onednn_gemm", _gemm_kernel, "CPU")
+
+
+@torch.library.register_fake("hyperpar::onednn_gemm")
 def _(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor]) -> torch.Tensor:
     return x.new_empty(*x.shape[:-1], w.shape[0])
+
+
+_gemm_op = torch.ops.hyperpar.onednn_gemm.default
 
 
 def _gemm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
