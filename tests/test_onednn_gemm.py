@@ -191,3 +191,35 @@ def test_fused_head_loss_through_onednn_matches_fp64(policy, monkeypatch):
     ref = run(torch.float64)
     for name, a, b, r in zip(("loss", "dh", "dw"), got, blas, ref):
         assert _rel(a, r) <= max(4 * _rel(b, r), 1e-6), (name, _rel(a, r), _rel(b, r))
+
+
+def test_transposed_copy_in_row_blocks(monkeypatch):
+    monkeypatch.setattr(onednn_gemm, "_T_ROWS", 3)  # 11 output rows: blocks of 3, 3, 3, 2
+    t = torch.randn(5, 11)
+    got = onednn_gemm.transposed_copy(t)
+    assert got.is_contiguous() and torch.equal(got, t.t())
+    out = torch.randn(11, 5)
+    want = out + t.t()
+    onednn_gemm.transposed_copy(t, out=out, add=True)
+    assert torch.equal(out, want)
+
+
+def test_fused_head_loss_through_onednn_over_chunks(policy, monkeypatch):
+    """The fused head + loss with oneDNN's GEMMs: several row chunks (the weight gradient's
+    transposed blocks copied, then added), against fp64."""
+    import torch.nn.functional as F
+
+    from hyperpar.train import cross_entropy as ce
+
+    policy("onednn")
+    monkeypatch.setattr(ce, "_head_rows", lambda vocab, device: 16)  # 40 rows: chunks of 16, 16, 8
+    monkeypatch.setattr(onednn_gemm, "_T_ROWS", 64)  # 300 vocab rows: 5 blocks, a ragged last one
+    torch.manual_seed(3)
+    h = torch.randn(40, 24, requires_grad=True)
+    w = (torch.randn(300, 24) * 0.5).requires_grad_()
+    y = torch.randint(0, 300, (40,))
+    y[::5] = -100
+    ce.linear_cross_entropy_sum(h, w, y, 1.0).backward()
+    h64, w64 = h.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    F.cross_entropy(h64 @ w64.t(), y, ignore_index=-100, reduction="sum").backward()
+    assert _rel(w.grad, w64.grad) <= 1e-6 and _rel(h.grad, h64.grad) <= 1e-6
