@@ -102,7 +102,7 @@ def describe(tensor_parallel: bool = False) -> str | None:
 # no autograd formula of its own.
 # Its output is allocated by oneDNN's op with ``at::empty``, which train.fill_uninitialized_memory NaN-fills
 # first; the GEMM writes it whole, so the fill is skipped (dense_small fp32: ~40 ms a step).
-_LIB = torch.library.Library("hyperpar", "DEF")
+_LIB = torch.library.Library("hyperpar", "FRAGMENT")  # other modules may add ops to the namespace
 _LIB.define("onednn_gemm(Tensor x, Tensor w, Tensor? b) -> Tensor")
 
 
