@@ -45,9 +45,10 @@ class _CausalConvSilu(torch.autograd.Function):
         ctx.silu = silu
         ctx.fixups = fixups
         ctx.fused = fused
-        if fused:
-            y, out = _fused_conv("forward")(x, w.t().contiguous(), silu)
-            ctx.save_for_backward(x, w, y)
+        if fused:  # the compiled kernels take the weight tap-major (K, C); saved so for the backward
+            wt = w.t().contiguous()
+            y, out = _fused_conv("forward")(x, wt, silu)
+            ctx.save_for_backward(x, wt, y)
             return out
         # x: (B, S, C) contiguous; w: (C, K). Tap i reads x shifted right by K−1−i.
         K, S = w.shape[1], x.shape[1]
@@ -65,12 +66,12 @@ class _CausalConvSilu(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):  # type: ignore[override]
         x, w, y = ctx.saved_tensors
-        K, S = w.shape[1], x.shape[1]
         grad_out = grad_out.contiguous()
-        if ctx.fused:
-            dx, dwt = _fused_conv("backward")(grad_out, x, w.t().contiguous(), y, ctx.silu)
+        if ctx.fused:  # w is the tap-major (K, C) weight here
+            dx, dwt = _fused_conv("backward")(grad_out, x, w, y, ctx.silu)
             dw = dwt.t().contiguous() if ctx.needs_input_grad[1] else None
             return (dx if ctx.needs_input_grad[0] else None), dw, None, None, None
+        K, S = w.shape[1], x.shape[1]
         dy = torch.ops.aten.silu_backward(grad_out, y) if ctx.silu else grad_out
         fixed = None
         if ctx.fixups is not None:
