@@ -1,6 +1,6 @@
 """The CUDA-only code paths, checked against the paths CI runs: varlen document attention, grouped
-expert GEMMs, the delta rule (eager and compiled), the whole trainer in fp32 and bf16, MFU and the
-one-rank-per-GPU check. Skipped where no CUDA device is visible (CI); run them on a GPU machine with
+expert GEMMs, the delta rule (eager and compiled), the compiled causal conv, the whole trainer in
+fp32 and bf16, MFU and the one-rank-per-GPU check. Skipped where no CUDA device is visible (CI); run them on a GPU machine with
 ``python -m pytest tests/test_cuda.py``."""
 
 from __future__ import annotations
@@ -82,6 +82,34 @@ def test_delta_rule_on_cuda_matches_cpu(compiled):
     assert (got.cpu() - want).abs().max().item() < 1e-4
     for a, b in zip(_grads(got, gpu, dy.to(CUDA)), _grads(want, cpu, dy)):
         assert (a.cpu() - b).abs().max().item() < 1e-3 * max(1.0, b.abs().max().item())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_conv_on_cuda_matches_float64(dtype):
+    """train.compile's causal conv (tap-major weight, one padded range per tap) through inductor's GPU
+    kernels: output and both gradients those of float64 arithmetic on the same values, to the dtype's
+    rounding (a tap shifted or a weight row swapped is off by O(1))."""
+    import torch.nn.functional as F
+
+    from hyperpar.models.layers import gated_deltanet as gd
+
+    g = torch.Generator().manual_seed(3)
+    B, S, C, K = 2, 77, 96, 4
+    x = torch.randn(B, S, C, generator=g).to(CUDA, dtype).requires_grad_()
+    w = (torch.randn(C, 1, K, generator=g) * 0.5).to(CUDA, dtype).requires_grad_()
+    go = torch.randn(B, S, C, generator=g).to(CUDA, dtype)
+    gd._fused_convs.clear()
+    out = gd.causal_depthwise_conv1d(x, w, compiled=True)
+    out.backward(go)
+    assert set(gd._fused_convs) == {"forward", "backward"} and out.dtype == dtype
+    x64, w64 = (t.detach().cpu().double().requires_grad_() for t in (x, w))
+    ref = F.silu(F.conv1d(x64.transpose(1, 2), w64, padding=K - 1, groups=C)[:, :, :S].transpose(1, 2))
+    ref.backward(go.cpu().double())
+    tol = 1e-5 if dtype == torch.float32 else 2**-6
+    assert (out.cpu().double() - ref).abs().max().item() <= tol * max(1.0, ref.abs().max().item())
+    for got, want in ((x.grad, x64.grad), (w.grad, w64.grad)):
+        assert got.dtype == dtype and got.shape == want.shape
+        assert (got.cpu().double() - want).abs().max().item() <= tol * max(1.0, want.abs().max().item())
 
 
 @pytest.mark.parametrize("model", ["qwen3_5", "qwen3_5_moe"])
