@@ -36,6 +36,21 @@ def test_chunked_matches_recurrence(S: int) -> None:
         assert (out - ref).abs().max().item() <= 1e-5, chunk
 
 
+def test_open_chunk_size_is_picked_per_device() -> None:
+    """A rule built without a chunk size runs 32-token chunks on CPU (bitwise the explicit 32, not 64)
+    and would run 64 on an accelerator."""
+    from hyperpar.models.layers.gated_deltanet import GatedDeltaRule, default_chunk_size
+
+    assert default_chunk_size(torch.device("cpu")) == 32
+    assert default_chunk_size(torch.device("cuda", 0)) == default_chunk_size(torch.device("meta")) == 64
+    q, k, v, gate, beta = inputs(100, seed=4)
+    convs = [torch.randn(t.shape[-2] * t.shape[-1], 4) * 0.3 for t in (q, k, v)]
+    auto = GatedDeltaRule()(q, k, v, gate, beta, *convs)
+    assert "chunk_size=auto" in repr(GatedDeltaRule())
+    assert torch.equal(auto, GatedDeltaRule(32)(q, k, v, gate, beta, *convs))
+    assert not torch.equal(auto, GatedDeltaRule(64)(q, k, v, gate, beta, *convs))
+
+
 def test_equal_heads_and_strong_decay() -> None:
     x = inputs(100, nk=3, nv=3, dk=8, dv=8, seed=1, decay=60.0)  # exp(γ) underflows inside a chunk
     out = chunk_gated_delta_rule(*x)
