@@ -1,7 +1,7 @@
 """The CUDA-only code paths, checked against the paths CI runs: varlen document attention, grouped
 expert GEMMs, the delta rule (eager and compiled), the compiled causal conv, the whole trainer in
-fp32 and bf16, MFU and the one-rank-per-GPU check. Skipped where no CUDA device is visible (CI); run them on a GPU machine with
-``python -m pytest tests/test_cuda.py``."""
+fp32 and bf16, MFU and the one-rank-per-GPU check. Skipped where no CUDA device is visible (CI);
+run them on a GPU machine with ``python -m pytest tests/test_cuda.py``."""
 
 from __future__ import annotations
 
