@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from hyperpar.models.layers.gated_deltanet import chunk_gated_delta_rule, default_chunk_size
+from hyperpar.models.layers.gated_deltanet import chunk_gated_delta_rule, default_chunk_size, delta_rule_macs_per_token
 
 
 def main() -> None:
@@ -51,9 +51,7 @@ def main() -> None:
         if dev.type == "cuda":
             torch.cuda.synchronize()
 
-    # the trainer's count (Qwen3_5ForCausalLM.text_flops) at chunk 64, forward + backward
-    C0 = 64
-    flops = 6 * B * S * nv * (2 * C0 * dk + C0 * (dk + dv) / 2 + C0 * dv + 3 * dk * dv)
+    flops = 6 * B * S * delta_rule_macs_per_token(nv, dk, dv)  # the trainer's count, forward + backward
     print(f"device {dev}, B {B}, S {S}, heads {nk}/{nv}, dims {dk}/{dv}; default chunk here: "
           f"{default_chunk_size(dev)}")
     modes = [("eager", chunk_gated_delta_rule)]

@@ -290,3 +290,14 @@ def free_port() -> int:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 
+
+def conv1d_float64(x, w, go):
+    """The causal depthwise conv + silu through ``F.conv1d`` in float64 on x's and w's values, its
+    backward from ``go``: (output, x's gradient, w's gradient)."""
+    import torch.nn.functional as F
+
+    C, K, S = w.shape[0], w.shape[-1], x.shape[1]
+    x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    ref = F.silu(F.conv1d(x64.transpose(1, 2), w64, padding=K - 1, groups=C)[:, :, :S].transpose(1, 2))
+    ref.backward(go.double())
+    return ref.detach(), x64.grad, w64.grad

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import cli_small, metrics_by_step, one_error_line, run_small
+from helpers import cli_small, conv1d_float64, metrics_by_step, one_error_line, run_small
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 CUDA = torch.device("cuda")
@@ -89,8 +89,6 @@ def test_compiled_conv_on_cuda_matches_float64(dtype):
     """train.compile's causal conv (tap-major weight, one padded range per tap) through inductor's GPU
     kernels: output and both gradients those of float64 arithmetic on the same values, to the dtype's
     rounding (a tap shifted or a weight row swapped is off by O(1))."""
-    import torch.nn.functional as F
-
     from hyperpar.models.layers import gated_deltanet as gd
 
     g = torch.Generator().manual_seed(3)
@@ -102,12 +100,10 @@ def test_compiled_conv_on_cuda_matches_float64(dtype):
     out = gd.causal_depthwise_conv1d(x, w, compiled=True)
     out.backward(go)
     assert set(gd._fused_convs) == {"forward", "backward"} and out.dtype == dtype
-    x64, w64 = (t.detach().cpu().double().requires_grad_() for t in (x, w))
-    ref = F.silu(F.conv1d(x64.transpose(1, 2), w64, padding=K - 1, groups=C)[:, :, :S].transpose(1, 2))
-    ref.backward(go.cpu().double())
+    ref, dx64, dw64 = conv1d_float64(x.cpu(), w.cpu(), go.cpu())
     tol = 1e-5 if dtype == torch.float32 else 2**-6
     assert (out.cpu().double() - ref).abs().max().item() <= tol * max(1.0, ref.abs().max().item())
-    for got, want in ((x.grad, x64.grad), (w.grad, w64.grad)):
+    for got, want in ((x.grad, dx64), (w.grad, dw64)):
         assert got.dtype == dtype and got.shape == want.shape
         assert (got.cpu().double() - want).abs().max().item() <= tol * max(1.0, want.abs().max().item())
 

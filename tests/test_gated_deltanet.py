@@ -6,6 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from helpers import conv1d_float64
+
 from hyperpar.models.layers import (
     GatedDeltaNet,
     causal_depthwise_conv1d,
@@ -91,16 +93,6 @@ def test_causal_conv_matches_conv1d(S: int) -> None:
     assert torch.autograd.gradcheck(lambda a, b: causal_depthwise_conv1d(a, b, silu=False), (x, w))
 
 
-def _conv1d_float64(x: torch.Tensor, w: torch.Tensor, go: torch.Tensor):
-    """The causal depthwise conv + silu through ``F.conv1d`` in float64 on x's and w's values, its
-    backward from ``go``: (output, x's gradient, w's gradient)."""
-    C, K, S = w.shape[0], w.shape[-1], x.shape[1]
-    x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
-    ref = F.silu(F.conv1d(x64.transpose(1, 2), w64, padding=K - 1, groups=C)[:, :, :S].transpose(1, 2))
-    ref.backward(go.double())
-    return ref.detach(), x64.grad, w64.grad
-
-
 @pytest.mark.parametrize("S", [3, 37])
 def test_compiled_16bit_conv_sums_taps_in_fp32(S: int) -> None:
     """train.compile's bf16 conv (one compiled kernel each way): output and both gradients those of
@@ -115,7 +107,7 @@ def test_compiled_16bit_conv_sums_taps_in_fp32(S: int) -> None:
     out = causal_depthwise_conv1d(x, w, compiled=True)
     out.backward(go)
     assert set(gd._fused_convs) == {"forward", "backward"} and out.dtype == torch.bfloat16
-    ref, dx64, dw64 = _conv1d_float64(x, w, go)
+    ref, dx64, dw64 = conv1d_float64(x, w, go)
     scale = ref.abs().max().item()
     assert (out.double() - ref).abs().max().item() <= 2 * 2**-8 * scale  # two bf16 roundings (pre, silu)
     for got, want in ((x.grad, dx64), (w.grad, dw64)):
@@ -138,7 +130,7 @@ def test_compiled_fp32_conv_matches_float64(S: int) -> None:
     out = causal_depthwise_conv1d(x, w, compiled=True)
     out.backward(go)
     assert set(gd._fused_convs) == {"forward", "backward"}
-    ref, dx64, dw64 = _conv1d_float64(x, w, go)
+    ref, dx64, dw64 = conv1d_float64(x, w, go)
     assert (out.double() - ref).abs().max().item() <= 1e-5
     for got, want in ((x.grad, dx64), (w.grad, dw64)):
         assert got.dtype == torch.float32 and got.shape == want.shape

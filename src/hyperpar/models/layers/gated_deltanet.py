@@ -359,6 +359,14 @@ def compiled_chunk_gated_delta_rule():
     return _compiled_rule
 
 
+def delta_rule_macs_per_token(num_value_heads: int, key_dim: int, value_dim: int, chunk: int = 64) -> float:
+    """Forward multiply-adds per token of the chunked rule (the model FLOP count's share of it): per
+    value head, K Kᵀ and Q Kᵀ (2·C·dk), the triangular solve for U and W (C·(dk+dv)/2), the
+    intra-chunk attention times V' (C·dv) and the three state products W S, Q S, Kᵀ V' (3·dk·dv)."""
+    C, dk, dv = chunk, key_dim, value_dim
+    return num_value_heads * (2 * C * dk + C * (dk + dv) / 2 + C * dv + 3 * dk * dv)
+
+
 def default_chunk_size(device: torch.device) -> int:
     """The delta rule's chunk where the model leaves it open. CPU: 32, the fastest for dk = dv = 64…128
     (the C² intra-chunk work halves while the scan stays short). Accelerators: 64 (transformers' and

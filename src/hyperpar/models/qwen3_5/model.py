@@ -21,6 +21,7 @@ from hyperpar.models.layers import (
     SwiGLUMLP,
     init_param_by_module,
 )
+from hyperpar.models.layers.gated_deltanet import delta_rule_macs_per_token
 from hyperpar.models.qwen3_5.args import LINEAR, Qwen3_5Args
 
 
@@ -188,10 +189,8 @@ class Qwen3_5ForCausalLM(nn.Module):
 
         6 × (non-embedding parameters, lm_head counted even when tied, since its matmul runs)
         + 12 × full layers × nh × hd × seq (attention scores and values)
-        + the gated-delta-rule chunk matmuls: per token and value head, with chunk C = 64,
-        K Kᵀ and Q Kᵀ (2·C·dk), the triangular solve for U and W (C·(dk+dv)/2), the intra-chunk
-        attention times V' (C·dv) and the three state products W S, Q S, Kᵀ V' (3·dk·dv)
-        multiply-adds; × 2 FLOPs × 3 for forward + backward.
+        + the gated-delta-rule chunk matmuls at chunk 64 (``delta_rule_macs_per_token``), × 2 FLOPs
+        × 3 for forward + backward.
         """
         H, V = a.hidden_size, a.vocab_size
         mlp = cls.ffn_active_params(a) + 2 * H  # + the two decoder norms
@@ -207,8 +206,7 @@ class Qwen3_5ForCausalLM(nn.Module):
         conv_dim = 2 * nk * dk + nv * dv
         gdn = H * conv_dim + conv_dim * kc + H * nv * dv + 2 * H * nv + 2 * nv + dv + nv * dv * H
         params = a.num_full_layers * (attn + mlp) + a.num_linear_layers * (gdn + mlp) + H + V * H
-        C = 64
-        gdn_macs = nv * (2 * C * dk + C * (dk + dv) / 2 + C * dv + 3 * dk * dv)
+        gdn_macs = delta_rule_macs_per_token(nv, dk, dv)
         return float(
             6 * params + 12 * a.num_full_layers * nh * hd * seq_len + 6 * a.num_linear_layers * gdn_macs
         ) + cls.extra_flops(a, seq_len)
