@@ -475,7 +475,8 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = Linear(value_dim, hidden_size, bias=False)
 
     @property
-    def chunk_size(self) -> int:
+    def chunk_size(self) -> int | None:
+        """The rule's chunk; None: picked per device when the layer runs (``default_chunk_size``)."""
         return self.recurrence.chunk_size
 
     def forward(self, x: torch.Tensor, *, doc: Documents | None = None) -> torch.Tensor:
