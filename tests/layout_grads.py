@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from helpers import close_group, free_port
+from helpers import close_group, exit_spawned_rank, free_port
 
 
 def _worker(rank: int, world: int, port: int, overrides: list[str], out: str) -> None:
@@ -28,7 +28,7 @@ def _worker(rank: int, world: int, port: int, overrides: list[str], out: str) ->
     except BaseException:
         close_group(ok=False)
         raise
-    close_group(ok=True)
+    exit_spawned_rank()
 
 
 def one_step(overrides: list[str]) -> dict:

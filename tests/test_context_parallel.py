@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import cli_metrics_shared, close_group, free_port
+from helpers import cli_metrics_shared, close_group, exit_spawned_rank, free_port
 from layout_grads import assert_layout_matches_single
 
 CP = 2
@@ -110,7 +110,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
     except BaseException:
         close_group(ok=False)
         raise
-    close_group(ok=True)
+    exit_spawned_rank()
 
 
 def test_ulysses_kernels_under_cp2_equal_full_sequence(tmp_path):

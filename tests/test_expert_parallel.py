@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import cli_metrics_shared, cli_small, close_group, free_port
+from helpers import cli_metrics_shared, cli_small, close_group, exit_spawned_rank, free_port
 
 TOL = 1e-5
 CKPT3 = ["checkpoint=default", "checkpoint.save_steps=3", "checkpoint.keep_last=0"]
@@ -159,7 +159,7 @@ def _block_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     except BaseException:
         close_group(ok=False)
         raise
-    close_group(ok=True)
+    exit_spawned_rank()
 
 
 def test_moe_block_under_ep2_equals_one_process(tmp_path):

@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import nn
 
-from helpers import close_group, free_port
+from helpers import close_group, exit_spawned_rank, free_port
 
 
 def _init(rank: int, world: int, port: int) -> None:
@@ -41,7 +41,7 @@ def _job(rank: int, world: int, port: int, out_dir: str, body) -> None:
     except BaseException:
         close_group(ok=False)
         raise
-    close_group(ok=True)
+    exit_spawned_rank()
 
 
 def _spawn(body, world: int, out_dir: Path) -> list[dict]:
