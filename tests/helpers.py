@@ -286,11 +286,11 @@ def close_group(ok: bool) -> None:
 def exit_spawned_rank() -> NoReturn:
     """End a spawned test rank after a clean run: ``close_group(ok=True)``, then leave without the
     interpreter's finalisation, as the launcher's forked workers do (multiprocessing ends a forked
-    child with ``os._exit``). Groups that a functional collective used outlive
-    ``destroy_process_group``: after one cp2 step, 6 gloo transport loops and 12 run-loop threads
-    are still alive and are torn down at interpreter exit. Spawned ranks, which run that
-    finalisation, aborted there about once in 500 runs (SIGABRT, 'terminate called without an
-    active exception'); the forked CLI workers never did."""
+    child with ``os._exit``). Process groups outlive ``destroy_process_group`` once ``torch._dynamo``
+    was imported after ``init_process_group`` or a DTensor op ran: after one cp2 step, 6 gloo
+    transport loops and 12 run-loop threads are still alive and are torn down at interpreter exit.
+    Spawned ranks, which run that finalisation, aborted about once in 500 runs (SIGABRT, 'terminate
+    called without an active exception'), most likely there; the forked CLI workers never did."""
     close_group(ok=True)
     sys.stdout.flush()
     sys.stderr.flush()
