@@ -9,7 +9,8 @@ and of the heap; a compiled step settles at its third). The matmul peaks are mea
 first round and after every round, and the fastest is the peak (on a shared host one measurement can
 read 30 % low, which would flatter the fractions). Prints the machine's fp32 / bf16 matmul peaks, each
 side's median step time, tokens/s, fraction of the matmul peak reached in model FLOP/s, peak RSS
-per step, and the ratio transformers / ours (> 1: ours is faster). With ``--fsdp`` it also times
+per step, page faults per step on CPU (fresh memory faulted in: allocator churn), and the ratio
+transformers / ours (> 1: ours is faster). With ``--fsdp`` it also times
 ``fsdp2`` (2 processes x threads/2) against ``single`` (same global batch): the FSDP overhead.
 
     python bench/trainer_vs_transformers.py --config dense_small --dtype fp32
@@ -118,7 +119,7 @@ gen = torch.Generator().manual_seed(0)
 extra = {"output_router_logits": True} if moe else {}
 for step in range(steps):
     ids = torch.randint(0, model.config.vocab_size, (batch, seq), generator=gen).to(device)
-    dev.reset_peak_memory()
+    dev.reset_peak_memory()  # and, on CPU, the window of its page-fault count
     t0 = time.perf_counter()
     loss = model(input_ids=ids, labels=ids, use_cache=False, **extra).loss
     loss.backward()
@@ -126,7 +127,8 @@ for step in range(steps):
     opt.step()
     opt.zero_grad(set_to_none=True)
     loss = loss.item()  # waits for the GPU's queue: the step is done
-    print(json.dumps({"step": step + 1, "step_time_s": time.perf_counter() - t0, "peak_mem_mb": dev.peak_memory_mb(), "loss": loss}), flush=True)
+    print(json.dumps({"step": step + 1, "step_time_s": time.perf_counter() - t0, "peak_mem_mb": dev.peak_memory_mb(),
+                      "page_faults": dev.page_faults(), "loss": loss}), flush=True)
 '''
 
 
@@ -190,10 +192,13 @@ def summary(name: str, recs: list[list[dict]], flops_per_step: float, peak: floa
     times = [r["step_time_s"] for run in recs for r in run[warmup:]]
     mem = [r.get("peak_mem_mb") or 0.0 for run in recs for r in run[warmup:]]
     med = statistics.median(times)
+    faults = [r["page_faults"] for run in recs for r in run[warmup:] if r.get("page_faults") is not None]
     row = {"median_s": med, "min_s": min(times), "tokens_per_s": None, "peak_frac": flops_per_step / med / 1e9 / peak,
-           "peak_mem_mb": max(mem)}
+           "peak_mem_mb": max(mem), "page_faults": statistics.median(faults) if faults else None}
+    # page faults: fresh memory faulted in during the step (allocator churn; CPU only)
+    churn = f", page faults/step {row['page_faults']:.0f}" if row["page_faults"] is not None else ""
     print(f"{name:>14}: median step {med:.3f} s (min {min(times):.3f}, {len(times)} steps), "
-          f"{row['peak_frac']:.2f} of the matmul peak, {mem_label} {row['peak_mem_mb']:.0f} MB")
+          f"{row['peak_frac']:.2f} of the matmul peak, {mem_label} {row['peak_mem_mb']:.0f} MB{churn}")
     return row
 
 

@@ -493,6 +493,34 @@ def test_cpu_peak_memory_is_per_step() -> None:
     assert with_big - without > 150, (with_big, without)
 
 
+_FAULT_PROBE = """
+import json, torch
+from hyperpar.device import resolve_device
+dev = resolve_device("cpu")
+dev.reset_peak_memory()
+big = torch.ones(50_000_000)  # 200 MB of fresh pages (glibc maps a block this size anew), touched
+with_big = dev.page_faults()
+del big
+dev.reset_peak_memory()
+small = torch.ones(10)
+print(json.dumps([with_big, dev.page_faults()]))
+"""
+
+
+def test_cpu_page_faults_are_per_step() -> None:
+    """``page_faults`` counts the window since the last reset: 200 MB of fresh memory is at least one
+    fault per 2 MB (huge pages) and usually one per 4 kB; a window that touches nothing new counts
+    next to none. A fresh process, for the same reason as the peak-memory test above."""
+    import subprocess
+    import sys
+
+    res = subprocess.run([sys.executable, "-c", _FAULT_PROBE], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    with_big, without = json.loads(res.stdout.splitlines()[-1])
+    assert with_big >= 100, with_big
+    assert without < with_big / 10, (with_big, without)
+
+
 def test_mfu_is_null_without_a_known_peak() -> None:
     from hyperpar.device import resolve_device
 

@@ -245,6 +245,7 @@ def test_throughput_counts_every_position_and_tokens_the_labelled_ones(tmp_path)
     rec = metrics_by_step(run)[1]
     assert rec["tokens"] < 4 * 64 / 2  # short documents: most of every row is padding
     assert rec["tokens_per_s"] * rec["step_time_s"] == pytest.approx(4 * 64)
+    assert isinstance(rec["page_faults"], int) and rec["page_faults"] >= 0  # CPU: the step's own count
 
 
 def test_a_global_batch_without_labels_is_skipped_not_fatal(tmp_path):

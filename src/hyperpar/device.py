@@ -53,7 +53,8 @@ class DeviceInfo:
             self.module.synchronize()
 
     def reset_peak_memory(self) -> None:
-        """Start a new peak-memory window (the trainer calls it at the start of every step)."""
+        """Start a new peak-memory window (the trainer calls it at the start of every step); on CPU also
+        the window of :meth:`page_faults`."""
         if self.type != "cpu":
             self.module.reset_peak_memory_stats()
         else:
@@ -65,6 +66,13 @@ class DeviceInfo:
         if self.type != "cpu":
             return self.module.max_memory_allocated() / 2**20
         return _cpu_peak.peak_mb()
+
+    def page_faults(self) -> int | None:
+        """On CPU: the page faults this process took since :meth:`reset_peak_memory`, every thread's
+        (``getrusage``: minor and major). A step that reuses warm memory takes few; memory handed back
+        to the OS and allocated again is faulted in page by page (see ``launch.host_allocator``).
+        None on an accelerator."""
+        return _cpu_peak.faults() if self.type == "cpu" else None
 
     def check_local_processes(self, n: int) -> None:
         """One rank per accelerator: ``n`` processes on this node need ``n`` visible devices (a second rank
@@ -112,12 +120,15 @@ class DeviceInfo:
 class _CpuPeak:
     """Per-step peak RSS on Linux: writing "5" to /proc/self/clear_refs resets the kernel's high-water
     mark (VmHWM) to the current RSS, so VmHWM read later is the peak since the reset. CPU tensors have
-    no allocator statistics like CUDA's; RSS also counts the interpreter and libraries (a few hundred MB)."""
+    no allocator statistics like CUDA's; RSS also counts the interpreter and libraries (a few hundred MB).
+    The same window counts the process's page faults."""
 
     def __init__(self) -> None:
         self._window = False  # a reset succeeded, so VmHWM describes the current window
+        self._faults: int | None = None  # the process's page faults at the reset
 
     def reset(self) -> None:
+        self._faults = _faults_now()
         try:
             with open("/proc/self/clear_refs", "w") as f:
                 f.write("5")
@@ -136,6 +147,19 @@ class _CpuPeak:
         except OSError:
             pass
         return None
+
+    def faults(self) -> int | None:
+        now = _faults_now()
+        return None if now is None or self._faults is None else now - self._faults
+
+
+def _faults_now() -> int | None:
+    try:
+        import resource
+    except ImportError:  # not a Unix
+        return None
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return int(r.ru_minflt + r.ru_majflt)
 
 
 _cpu_peak = _CpuPeak()

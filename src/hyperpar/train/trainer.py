@@ -178,6 +178,7 @@ class Trainer:
             "tokens_per_s": tps,
             "step_time_s": dt,
             "peak_mem_mb": self.device_info.peak_memory_mb(),
+            "page_faults": self.device_info.page_faults(),
             "mfu": mfu,
             **extra,
         }
