@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import io
 import json
 import os
@@ -463,60 +464,49 @@ def test_max_restarts_without_our_launcher_says_so_once(observer: Observer) -> N
     assert "max_restarts" not in observer.observe("run", [])["stderr"]
 
 
-_PEAK_PROBE = """
-import json, torch
-from hyperpar.device import resolve_device
-dev = resolve_device("cpu")
-dev.reset_peak_memory()
-big = torch.ones(50_000_000)  # 200 MB, touched
-with_big = dev.peak_memory_mb()
-del big
-dev.reset_peak_memory()
-small = torch.ones(10)
-print(json.dumps([with_big, dev.peak_memory_mb()]))
-"""
-
-
-def test_cpu_peak_memory_is_per_step() -> None:
-    """The figure follows the step: a step that allocates 200 MB more reports it, the next one does not.
-    Measured in a fresh process with glibc's own policy: this one's heap depends on the tests before
-    it (an in-process run sets launch.host_allocator=retain, which keeps freed memory resident and
-    lets a later 200 MB block reuse pages that are already counted)."""
-    import subprocess
-    import sys
-
-    res = subprocess.run([sys.executable, "-c", _PEAK_PROBE], capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stderr[-2000:]
-    with_big, without = json.loads(res.stdout.splitlines()[-1])
-    if with_big is None:
-        pytest.skip("this kernel cannot reset the RSS high-water mark (/proc/self/clear_refs)")
-    assert with_big - without > 150, (with_big, without)
-
-
-_FAULT_PROBE = """
+_STEP_PROBE = """
 import json, torch
 from hyperpar.device import resolve_device
 dev = resolve_device("cpu")
 dev.reset_peak_memory()
 big = torch.ones(50_000_000)  # 200 MB of fresh pages (glibc maps a block this size anew), touched
-with_big = dev.page_faults()
+with_big = [dev.peak_memory_mb(), dev.page_faults()]
 del big
 dev.reset_peak_memory()
 small = torch.ones(10)
-print(json.dumps([with_big, dev.page_faults()]))
+print(json.dumps([with_big, [dev.peak_memory_mb(), dev.page_faults()]]))
 """
+
+
+@functools.lru_cache(maxsize=1)
+def _step_probe() -> tuple[list, list]:
+    """The per-step CPU figures (peak RSS MB, page faults) of a window that touches 200 MB of fresh
+    memory and of the next window, which touches nothing new. Measured in a fresh process with glibc's
+    own policy: this one's heap depends on the tests before it (an in-process run sets
+    launch.host_allocator=retain, which keeps freed memory resident and lets a later 200 MB block reuse
+    pages that are already counted)."""
+    import subprocess
+    import sys
+
+    res = subprocess.run([sys.executable, "-c", _STEP_PROBE], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    with_big, without = json.loads(res.stdout.splitlines()[-1])
+    return with_big, without
+
+
+def test_cpu_peak_memory_is_per_step() -> None:
+    """The figure follows the step: a step that allocates 200 MB more reports it, the next one does not."""
+    (with_big, _), (without, _) = _step_probe()
+    if with_big is None:
+        pytest.skip("this kernel cannot reset the RSS high-water mark (/proc/self/clear_refs)")
+    assert with_big - without > 150, (with_big, without)
 
 
 def test_cpu_page_faults_are_per_step() -> None:
     """``page_faults`` counts the window since the last reset: 200 MB of fresh memory is at least one
     fault per 2 MB (huge pages) and usually one per 4 kB; a window that touches nothing new counts
-    next to none. A fresh process, for the same reason as the peak-memory test above."""
-    import subprocess
-    import sys
-
-    res = subprocess.run([sys.executable, "-c", _FAULT_PROBE], capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stderr[-2000:]
-    with_big, without = json.loads(res.stdout.splitlines()[-1])
+    next to none."""
+    (_, with_big), (_, without) = _step_probe()
     assert with_big >= 100, with_big
     assert without < with_big / 10, (with_big, without)
 
