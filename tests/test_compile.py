@@ -1,6 +1,6 @@
-"""train.compile: fsdp2 with compiled decoder blocks (and full activation checkpointing) trains like
-the eager single process, loss and aux loss per step within 1e-5; layouts it is not built for are
-refused by the plan."""
+"""train.compile: fsdp2 with compiled decoder blocks (and full activation checkpointing), context,
+expert and pipeline parallel with compiled blocks train like the eager single process, loss, aux loss
+and gradient norm per step within 1e-5; layouts it is not built for are refused by the plan."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from helpers import cli_metrics, cli_small, one_error_line
+from helpers import cli_metrics, cli_metrics_shared, cli_small, one_error_line
 
 
 @pytest.mark.slow
@@ -25,8 +25,33 @@ def test_compiled_fsdp2_with_ac_matches_eager_single(tmp_path):
     assert eager[1]["loss"] != eager[4]["loss"]
 
 
+# CI runs one layout per family: cp over packed documents (dense) and ep inside pipeline stages (MoE).
+@pytest.mark.slow
+@pytest.mark.parametrize(("base", "layout"), [
+    (["model=qwen3_5", "data=json"], "cp2"),
+    (["model=qwen3_5_moe"], "ep2_pp2"),
+    pytest.param(["model=qwen3_5_moe"], "pp2_vpp2", marks=pytest.mark.full),
+    pytest.param(["model=qwen3_5_moe"], "fsdp2_cp2_ep2", marks=pytest.mark.full),
+    pytest.param(["model=qwen3_vl_moe"], "cp2", marks=pytest.mark.full),
+], ids=["dense_cp2_packed", "moe_ep2_pp2", "moe_pp2_vpp2", "moe_fsdp2_cp2_ep2", "vl_moe_cp2"])
+def test_compiled_model_parallel_layouts_match_eager_single(tmp_path, base, layout):
+    base = [*base, "train.seq_len=64"]
+    eager = cli_metrics_shared(tmp_path / "eager", [*base, "parallel=single"], steps=4)
+    compiled = cli_metrics(tmp_path / "compiled", [*base, f"parallel={layout}", "train.compile=true"], steps=4)
+    logs = "".join(p.read_text() for p in (tmp_path / "compiled" / "logs").glob("rank_*.log"))
+    assert re.search(r"train\.compile: [1-9]\d* decoder blocks compiled", logs), logs[-2000:]
+    assert sorted(eager) == sorted(compiled) == [1, 2, 3, 4]
+    for s in eager:
+        for key in ("loss", "aux_loss", "grad_norm"):
+            if key in eager[s]:
+                assert abs(eager[s][key] - compiled[s][key]) <= 1e-5 * max(1.0, abs(eager[s][key])), \
+                    (s, key, eager[s][key], compiled[s][key])
+    assert eager[1]["loss"] != eager[4]["loss"]
+
+
 @pytest.mark.parametrize(("extra", "message"), [
     (["parallel=tp2"], "train.compile with tp not supported yet"),
+    (["parallel=pp2_zb"], "train.compile with pp_schedule=zero_bubble not supported"),
     (["train.activation_checkpoint=selective"], "train.compile with activation_checkpoint=selective not supported"),
 ])
 def test_compile_refused_where_not_built(tmp_path, extra, message):
