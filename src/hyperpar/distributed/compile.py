@@ -31,8 +31,10 @@ def check_compile(parallel_dims, train_cfg) -> None:
     if not train_cfg.compile:
         return
     if parallel_dims.tp > 1:
-        # Measured: compiled tensor-parallel blocks gave the full-attention block's input a wrong
-        # gradient (embedding and the first norm's weight 4e-3 and 2e-2 relative off after one step).
+        # Measured (torch 2.13, CPU): compiled tensor-parallel blocks gave the first block a wrong
+        # input gradient (the embedding's gradient 2e-2 and the first norm weight's 4e-3 relative off
+        # after one step; every other parameter exact). Compiling with dynamic=False crashed (SIGSEGV)
+        # and with dynamic=True failed in inductor (RecursionError).
         raise PlanError("train.compile with tp not supported yet (compiled tensor-parallel blocks do not "
                         "reproduce the eager gradients)", hint="set train.compile=false or parallel.tp=1")
     if parallel_dims.pp > 1:
