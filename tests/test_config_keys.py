@@ -128,6 +128,7 @@ class Observer:
             "stderr": err.getvalue(),
             "probe": PROBES[str(run_dir)],
             "files": sorted(str(p.relative_to(run_dir)) for p in run_dir.rglob("*") if p.is_dir()),
+            "profile": _profile_files(run_dir / "profile"),
         }
 
     def data(self, overrides: list[str], n: int) -> list[dict]:
@@ -228,6 +229,19 @@ class Observer:
             with contextlib.redirect_stderr(io.StringIO()):
                 run_job(cfg, str(out))
         return out / "hf"
+
+
+def _profile_files(root: Path) -> dict[str, Any]:
+    """What profile.* wrote: each file's name, the summaries' operator rows and the traces' event kinds."""
+    out: dict[str, Any] = {}
+    for p in sorted(root.rglob("*.json")) if root.is_dir() else []:
+        data = json.loads(p.read_text())
+        rel = str(p.relative_to(root))
+        if rel.endswith(".trace.json"):
+            out[rel] = sorted({str(e.get("cat")) for e in data["traceEvents"]})
+        else:
+            out[rel] = [sorted(op) for op in data["top_ops"]], len(data["top_ops"])
+    return out
 
 
 # --- checks -------------------------------------------------------------------------------------------
@@ -372,6 +386,18 @@ EFFECTS: dict[str, Effect] = {
     "metrics.tensorboard": Effect("run", ["metrics.tensorboard=true"], view=has_dir("tb")),
     "metrics.progress_bar": Effect("run", ["metrics.progress_bar=true"], view=log_steps, env=(("HYPERPAR_NO_BAR", None),)),
     "metrics.peak_tflops": Effect("run", ["metrics.peak_tflops=0.5"], view=field("mfu")),
+    # profile: what the profiled step wrote (tests/test_profiler.py reads the files themselves)
+    "profile.steps": Effect("run", ["profile.steps=[2]"], view=lambda o: sorted(o["profile"])),
+    "profile.ranks": Effect("run", ["profile.ranks=[]"], ["profile.steps=[2]"], view=lambda o: sorted(o["profile"])),
+    "profile.trace": Effect("run", ["profile.trace=false"], ["profile.steps=[2]"], view=lambda o: sorted(o["profile"])),
+    "profile.row_limit": Effect("run", ["profile.row_limit=3"], ["profile.steps=[2]", "profile.trace=false"],
+                                view=lambda o: o["profile"]),
+    "profile.record_shapes": Effect("run", ["profile.record_shapes=true"], ["profile.steps=[2]", "profile.trace=false"],
+                                    view=lambda o: o["profile"]),
+    "profile.with_stack": Effect("run", ["profile.with_stack=true"], ["profile.steps=[2]"],
+                                 view=lambda o: o["profile"].get("step_000002/rank0.trace.json")),
+    "profile.memory": Effect("run", ["profile.memory=true"], ["profile.steps=[2]"],
+                             view=lambda o: o["profile"].get("step_000002/rank0.trace.json")),
     # launch
     "launch.max_restarts": Effect("launcher", ["launch.max_restarts=3"]),
     "launch.monitor_interval": Effect("launcher", ["launch.monitor_interval=1.5"]),

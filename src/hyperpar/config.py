@@ -157,6 +157,19 @@ class MetricsConfig:
 
 
 @dataclass
+class ProfileConfig:
+    # optimizer steps to profile with torch.profiler (1-based, as metrics.jsonl numbers them); []: off.
+    # Skip the first steps: they compile (train.compile) and first-touch the optimizer state.
+    steps: list[int] = field(default_factory=list)
+    ranks: Optional[list[int]] = None  # ranks that profile; None: every rank
+    record_shapes: bool = False  # operator input shapes (the table then splits ops by shape)
+    with_stack: bool = False  # Python stacks in the trace (larger, slower)
+    memory: bool = False  # allocations per operator
+    trace: bool = True  # write the Chrome trace (rank<r>.trace.json); the tables are always written
+    row_limit: int = 30  # operators in rank<r>.txt and rank<r>.json
+
+
+@dataclass
 class LaunchConfig:
     max_restarts: int = 0
     monitor_interval: float = 0.2
@@ -191,6 +204,7 @@ class JobConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     parity: ParityConfig = field(default_factory=ParityConfig)
     trainer: dict = field(default_factory=lambda: {"_target_": "hyperpar.train.trainer.Trainer"})
@@ -271,6 +285,9 @@ _VALUE_RULES: list[tuple[str, Any, str]] = [
     ("launch.cpu_collectives", lambda v: v in CPU_COLLECTIVES, f"one of {', '.join(CPU_COLLECTIVES)}"),
     ("launch.start_method", lambda v: v in START_METHODS, f"one of {', '.join(START_METHODS)}"),
     ("launch.cpu_gemm", lambda v: v in CPU_GEMM, f"one of {', '.join(CPU_GEMM)}"),
+    ("profile.steps", lambda v: all(int(s) >= 1 for s in v), "a list of optimizer steps >= 1 (e.g. [4])"),
+    ("profile.ranks", lambda v: v is None or all(int(r) >= 0 for r in v), "null (every rank) or a list of ranks >= 0"),
+    ("profile.row_limit", lambda v: v >= 1, ">= 1"),
     ("metrics.peak_tflops", lambda v: v is None or (_finite(v) and v > 0), "> 0 or null"),
     ("parity.tolerance_mean", lambda v: _finite(v) and v > 0, "a finite number > 0"),
     ("parity.tolerance_step", lambda v: v is None or v is False or (isinstance(v, str) and v.lower() in ("auto", "off", "none"))
@@ -303,12 +320,29 @@ def check_values(cfg: DictConfig, *, warn: bool = True) -> DictConfig:
             and not OmegaConf.select(cfg, "train.deterministic", default=True):
         print("[hyperpar] warning: train.fill_uninitialized_memory=true does nothing with train.deterministic=false "
               "(PyTorch fills new tensors only in deterministic mode)", file=sys.stderr)
+    _check_profile(cfg, speak)
     if speak and OmegaConf.select(cfg, "optim.lr", default=None) == 0:
         print("[hyperpar] warning: optim.lr=0: the weights will not change", file=sys.stderr)
     if speak and str(OmegaConf.select(cfg, "train.mixed_precision.param_dtype", default="")) in ("float16", "fp16"):
         print("[hyperpar] warning: param_dtype=float16 has no loss scaling here: small gradients underflow to "
               "zero; bfloat16 keeps fp32's range", file=sys.stderr)
     return cfg
+
+
+def _check_profile(cfg: DictConfig, speak: bool) -> None:
+    """A profiled rank the layout does not have is an error; a step the run never reaches, a warning."""
+    import sys
+
+    ranks = OmegaConf.select(cfg, "profile.ranks", default=None)
+    world = OmegaConf.select(cfg, "parallel.world_size", default=None)
+    if ranks is not None and isinstance(world, int):
+        if missing := sorted({int(r) for r in ranks if int(r) >= world}):
+            raise ConfigError(f"profile.ranks={list(ranks)}: the layout has ranks 0..{world - 1}, not {missing}",
+                              hint="name ranks below parallel.world_size, or profile.ranks=null for every rank")
+    steps = OmegaConf.select(cfg, "profile.steps", default=None) or []
+    last = OmegaConf.select(cfg, "train.steps", default=None)
+    if speak and isinstance(last, int) and (late := sorted({int(s) for s in steps if int(s) > last})):
+        print(f"[hyperpar] warning: profile.steps {late} lie after train.steps={last}: not profiled", file=sys.stderr)
 
 
 def to_yaml(cfg: DictConfig) -> str:
@@ -327,7 +361,7 @@ def dtype_of(name: str):
 
 __all__ = [
     "JobConfig", "TrainConfig", "ParallelConfig", "ModelConfig", "DataConfig", "OptimConfig",
-    "CheckpointConfig", "MetricsConfig", "LaunchConfig", "ParityConfig", "MixedPrecisionConfig",
+    "CheckpointConfig", "MetricsConfig", "ProfileConfig", "LaunchConfig", "ParityConfig", "MixedPrecisionConfig",
     "register_configs", "validate_schema", "check_values", "dtype_of", "MISSING",
 ]
 

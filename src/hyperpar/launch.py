@@ -92,6 +92,7 @@ def worker_main(cfg: DictConfig, run_dir: str) -> dict[str, Any]:
     from hyperpar.distributed.tensor_parallel import use_loss_parallel
     from hyperpar.train.objective import Objective
     from hyperpar.train.pipeline_step import PipelineStep
+    from hyperpar.train.profiler import StepProfiler
     from hyperpar.train.metrics import MetricsWriter, setup_rank_logging
 
     rank, world, local_rank, local_world = env_rank()
@@ -175,6 +176,7 @@ def worker_main(cfg: DictConfig, run_dir: str) -> dict[str, Any]:
             mtp_loss_weight=cfg.model.mtp_loss_weight, pipeline=pipeline,
             objective=Objective(mtp_weight=cfg.model.mtp_loss_weight, loss_parallel=use_loss_parallel(pdims, cfg.train),
                                 cp=SequenceShard.of(pdims)),
+            profiler=StepProfiler.from_config(cfg.profile, run_dir, rank, dev.type),
         )
         checkpointer.resume(trainer, resume_path)
         # metrics.jsonl is appended to: a resumed run continues its file (readers keep the last record per step).

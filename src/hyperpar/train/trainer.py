@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -19,6 +20,7 @@ from hyperpar.models.multimodal import tower_runs_without_items
 from hyperpar.train.objective import Objective
 from hyperpar.train.metrics import MetricsWriter
 from hyperpar.train.optim import clip_grad_norm
+from hyperpar.train.profiler import StepProfiler, phase
 
 log = logging.getLogger("hyperpar")
 
@@ -55,6 +57,7 @@ class Trainer:
         mtp_loss_weight: float = 0.0,
         objective: Objective | None = None,
         pipeline: Any = None,
+        profiler: StepProfiler | None = None,
     ) -> None:
         self.model = model
         # The list of model parts (one without pipeline parallelism): clipping, gradient sync and
@@ -91,6 +94,7 @@ class Trainer:
         # VL: the ranks whose vision towers run their FSDP collectives together (see vision_sync).
         self.vision_group = self.loss_group if pipeline is None and is_vl(getattr(model, "args", None)) else None
         self.history: list[float] = []
+        self.profiler = profiler  # profile.steps: torch.profiler around those steps
 
     def _sum_over_dp(self, value: torch.Tensor) -> torch.Tensor:
         if dist.get_world_size(self.loss_group) > 1:
@@ -100,7 +104,8 @@ class Trainer:
     def train_step(self) -> dict[str, float]:
         t0 = time.perf_counter()
         self.device_info.reset_peak_memory()
-        micro_batches = self.loader.next_step()
+        with phase("data"):
+            micro_batches = self.loader.next_step()
         n = len(micro_batches)
         # The aux loss is a per-forward statistic: averaged over every micro-batch of the global
         # batch, which is the same set of micro-batches in any layout with the same micro-batch size.
@@ -113,36 +118,14 @@ class Trainer:
         if totals.tokens.item() == 0:
             return self._skip_unlabelled(t0)
         self.unlabelled_in_row = 0
-        loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
-        aux_sum = torch.zeros((), dtype=torch.float32, device=self.device)
-        mtp_sum = torch.zeros((), dtype=torch.float32, device=self.device)
-        saw_aux = saw_mtp = False
-        if self.pipeline is not None:
-            loss_sum, aux_sum, mtp_sum, saw_aux, saw_mtp = self.pipeline.forward_backward(micro_batches, totals,
-                                                                                          self.loader.dp_size)
-            micro_batches = []  # the schedule ran them
-        idle_tower = idle_tower_forwards([has_vision(mb) for mb in micro_batches], self.vision_group, self.device)
-        for i, mb in enumerate(micro_batches):
-            for part in self.model_parts:
-                if hasattr(part, "set_requires_gradient_sync"):
-                    # Reduce gradients once per optimizer step, after the last micro-batch.
-                    part.set_requires_gradient_sync(i == n - 1)
-            with self.objective.context(), tower_runs_without_items(idle_tower[i]):
-                out = self.model(**_model_inputs(mb, self.device))
-                objective, parts = self.objective(out, labels[i], totals, logit_grad_in_forward=True)
-                del out  # the logits: their gradient is formed, nothing reads them in the backward
-                objective.backward()
-            loss_sum += parts.lm_sum
-            if parts.aux is not None:
-                aux_sum += parts.aux
-                saw_aux = True
-            if parts.mtp_sum is not None:
-                mtp_sum += parts.mtp_sum
-                saw_mtp = True
-        if self.pipeline is not None:
-            grad_norm = self.pipeline.clip_grad_norm(self.max_grad_norm)
-        else:
-            grad_norm = clip_grad_norm([p for part in self.model_parts for p in part.parameters()], self.max_grad_norm)
+        with phase("forward_backward"):
+            loss_sum, aux_sum, mtp_sum, saw_aux, saw_mtp = self._forward_backward(micro_batches, labels, totals)
+        with phase("clip_grad"):
+            if self.pipeline is not None:
+                grad_norm = self.pipeline.clip_grad_norm(self.max_grad_norm)
+            else:
+                grad_norm = clip_grad_norm([p for part in self.model_parts for p in part.parameters()],
+                                           self.max_grad_norm)
         global_tokens = totals.tokens
         loss = (self._sum_over_dp(loss_sum) / global_tokens).item()
         extra: dict[str, float] = {}
@@ -156,9 +139,10 @@ class Trainer:
                 hint="lower optim.lr, enable clipping (train.max_grad_norm) or use float32",
             )
         lr = self.optimizer.param_groups[0]["lr"]
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        with phase("optimizer"):
+            self.optimizer.step()
+            self.scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
         self.device_info.synchronize()
         dt = time.perf_counter() - t0
         self.step += 1
@@ -182,6 +166,37 @@ class Trainer:
             "mfu": mfu,
             **extra,
         }
+
+    def _forward_backward(self, micro_batches: list[dict], labels: list[torch.Tensor], totals: Any
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool, bool]:
+        """Every micro-batch's forward and backward (through the schedule under pp); the local sums of
+        the token loss, aux loss and MTP loss, and whether the model gave the last two."""
+        if self.pipeline is not None:
+            return self.pipeline.forward_backward(micro_batches, totals, self.loader.dp_size)
+        n = len(micro_batches)
+        loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
+        aux_sum = torch.zeros((), dtype=torch.float32, device=self.device)
+        mtp_sum = torch.zeros((), dtype=torch.float32, device=self.device)
+        saw_aux = saw_mtp = False
+        idle_tower = idle_tower_forwards([has_vision(mb) for mb in micro_batches], self.vision_group, self.device)
+        for i, mb in enumerate(micro_batches):
+            for part in self.model_parts:
+                if hasattr(part, "set_requires_gradient_sync"):
+                    # Reduce gradients once per optimizer step, after the last micro-batch.
+                    part.set_requires_gradient_sync(i == n - 1)
+            with self.objective.context(), tower_runs_without_items(idle_tower[i]):
+                out = self.model(**_model_inputs(mb, self.device))
+                objective, parts = self.objective(out, labels[i], totals, logit_grad_in_forward=True)
+                del out  # the logits: their gradient is formed, nothing reads them in the backward
+                objective.backward()
+            loss_sum += parts.lm_sum
+            if parts.aux is not None:
+                aux_sum += parts.aux
+                saw_aux = True
+            if parts.mtp_sum is not None:
+                mtp_sum += parts.mtp_sum
+                saw_mtp = True
+        return loss_sum, aux_sum, mtp_sum, saw_aux, saw_mtp
 
     def _skip_unlabelled(self, t0: float) -> dict[str, Any]:
         """A step whose global batch has no labelled token: no forward, no update (its loss would be
@@ -238,7 +253,9 @@ class Trainer:
         if self.stop_after_steps is not None and 0 < self.stop_after_steps <= self.step:
             self.stop_reason = "stop_after_steps"
         while self.step < self.steps and self.stop_reason is None:
-            record = self.train_step()
+            with self.profiler.around(self.step + 1) if self.profiler else contextlib.nullcontext({}) as box:
+                record = self.train_step()
+                box["record"] = record
             if "loss" in record:  # a skipped step (no labelled token) has none
                 self.history.append(record["loss"])
             if self.metrics is not None:
