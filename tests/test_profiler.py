@@ -27,6 +27,7 @@ def test_profiled_step_writes_table_summary_and_trace_and_keeps_the_loss(tmp_pat
     assert set(summary["phases_s"]) == {"data", "forward_backward", "clip_grad", "optimizer"}
     assert 0 < sum(summary["phases_s"].values()) <= summary["step_time_s"]
     assert summary["phases_s"]["forward_backward"] > summary["phases_s"]["optimizer"]
+    assert summary["fsdp_hooks_s"] == 0 and summary["collectives_s"] == 0  # one process: no distributed work
     ops = {o["name"]: o for o in summary["top_ops"]}
     assert len(summary["top_ops"]) == 12
     assert "aten::mm" in ops and ops["aten::mm"]["count"] > 0 and ops["aten::mm"]["self_s"] > 0
@@ -64,4 +65,8 @@ def test_profile_ranks_choose_which_processes_write(tmp_path) -> None:
     for step in (1, 2):
         out = _profile_dir(tmp_path / "run", step)
         assert sorted(p.name for p in out.iterdir()) == ["rank1.json", "rank1.txt"]
-        assert json.loads((out / "rank1.json").read_text())["rank"] == 1
+        summary = json.loads((out / "rank1.json").read_text())
+        assert summary["rank"] == 1
+        # FSDP's hooks (gathers, reductions, their copies) and the collectives inside them, counted once
+        assert summary["collectives_s"] > 0 and summary["fsdp_hooks_s"] > 0
+        assert summary["fsdp_hooks_s"] < summary["step_time_s"]

@@ -31,6 +31,25 @@ PHASES = ("data", "forward_backward", "clip_grad", "optimizer")
 # with_stack adds the Python frames ("trainer.py(104): train_step", "<built-in method ...>") to the
 # averages; the operator ranking leaves them out (the trace keeps them)
 _PY_FRAME = re.compile(r"^(<built-in .*>|.*\.py\(\d+\): .*)$")
+# the host time a rank spends in distributed work: FSDP's hooks (its copies into and out of the
+# collective buffers, the collectives, the waits inside them) and any collective call, each range
+# counted once at its outermost level
+_FSDP = re.compile(r"^FSDP::")
+_COLLECTIVE = re.compile(r"^(c10d::|gloo:|nccl:|hccl:|record_param_comms)")
+
+
+def _outermost_time(events: Any, pattern: re.Pattern) -> float:
+    """Seconds of host time in ranges named by ``pattern`` that no other such range encloses."""
+    total = 0.0
+    for e in events:
+        if not pattern.match(e.name):
+            continue
+        parent = e.cpu_parent
+        while parent is not None and not pattern.match(parent.name):
+            parent = parent.cpu_parent
+        if parent is None:
+            total += e.cpu_time_total
+    return total / 1e6
 
 
 def phase(name: str) -> contextlib.AbstractContextManager:
@@ -111,6 +130,9 @@ class StepProfiler:
             "step": step, "rank": self.rank, "device": self.device_type,
             "step_time_s": record.get("step_time_s"),  # with the profiler's own overhead
             "phases_s": phases,
+            # host seconds (on CUDA the collectives' launches; on CPU their whole run, waits included)
+            "fsdp_hooks_s": _outermost_time(prof.events(), _FSDP),
+            "collectives_s": _outermost_time(prof.events(), _COLLECTIVE),
             "top_ops": [{"name": e.key, "count": e.count, "self_s": getattr(e, self_key) / 1e6,
                          "total_s": (e.device_time_total if on_device else e.cpu_time_total) / 1e6,
                          **({"input_shapes": e.input_shapes} if self.record_shapes else {})}
@@ -124,5 +146,6 @@ class StepProfiler:
             paths.append(path)
         self.written += paths
         top = ", ".join(f"{o['name']} {o['self_s']:.3f}s" for o in summary["top_ops"][:4])
-        spent = ", ".join(f"{k} {v:.3f}s" for k, v in phases.items())
+        spent = ", ".join([f"{k} {v:.3f}s" for k, v in phases.items()]
+                          + [f"{k[:-2]} {summary[k]:.3f}s" for k in ("fsdp_hooks_s", "collectives_s") if summary[k]])
         log.info("profiled step %d on rank %d -> %s (%s; top ops: %s)", step, self.rank, out, spent, top)
