@@ -147,6 +147,21 @@ def test_trainer_bf16_compiled_on_cuda(tmp_path, model):
     assert max(abs(runs["compiled"][s] - runs["eager"][s]) for s in fp32) <= 2e-2
 
 
+def test_profiled_step_on_cuda_ranks_kernels_by_device_time(tmp_path):
+    """profile.steps on a GPU: the table and the ranking use the kernels' device time; the loss is the
+    unprofiled run's."""
+    import json
+
+    common = ["device=cuda", "profile.trace=false"]
+    plain = run_small(tmp_path / "plain", common, steps=2)
+    profiled = run_small(tmp_path / "prof", [*common, "profile.steps=[2]"], steps=2)
+    assert profiled == plain
+    summary = json.loads((tmp_path / "prof" / "profile" / "step_000002" / "rank0.json").read_text())
+    assert summary["device"] == "cuda"
+    assert summary["top_ops"][0]["self_s"] > 0  # device time: CPU-only ops rank below every kernel
+    assert "CUDA" in (tmp_path / "prof" / "profile" / "step_000002" / "rank0.txt").read_text()
+
+
 def test_more_ranks_than_gpus_is_refused(tmp_path):
     """A layout of more processes than visible GPUs stops before any worker with one line that says so."""
     have = torch.cuda.device_count()
