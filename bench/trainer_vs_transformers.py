@@ -159,9 +159,15 @@ def _records(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+LAST_RUN_DIR: dict[str, Path] = {}  # layout -> its last run's directory (--profile reads it)
+
+
 def run_ours(ckpt: Path, a, steps: int, layout: str, work: Path, extra: list[str]) -> tuple[list[dict], float]:
-    """Per-step records of ``python -m hyperpar`` and the time from its start to its first step."""
-    cmd, run_dir = _ours_cmd(ckpt, a, steps, layout, work, extra)
+    """Per-step records of ``python -m hyperpar`` and the time from its start to its first step.
+    With ``--profile`` the run has one more step, profiled, left out of the records."""
+    profiled = [f"profile.steps=[{steps + 1}]", "profile.trace=false", "profile.row_limit=8"] if a.profile else []
+    cmd, run_dir = _ours_cmd(ckpt, a, steps + 1 if a.profile else steps, layout, work, [*extra, *profiled])
+    LAST_RUN_DIR[layout] = run_dir
     env = {**os.environ, "HYPERPAR_NO_BAR": "1"}
     t0 = time.perf_counter()
     res = subprocess.run(cmd, capture_output=True, text=True, env=env)
@@ -169,7 +175,21 @@ def run_ours(ckpt: Path, a, steps: int, layout: str, work: Path, extra: list[str
     if res.returncode:
         raise SystemExit(f"hyperpar {layout} failed:\n{res.stderr[-3000:]}")
     recs = _records(run_dir)
-    return recs, wall - sum(r["step_time_s"] for r in recs)
+    start = wall - sum(r["step_time_s"] for r in recs)
+    return recs[:steps], start
+
+
+def print_profile(name: str, layout: str) -> None:
+    """The profiled extra step of ``layout``'s last run, per rank: phases, FSDP and collectives, top ops."""
+    run_dir = LAST_RUN_DIR.get(layout)
+    for path in sorted(run_dir.glob("profile/step_*/rank*.json")) if run_dir else []:
+        d = json.loads(path.read_text())
+        spent = ", ".join(f"{k} {v:.3f}" for k, v in d["phases_s"].items())
+        dist = f"; fsdp hooks {d['fsdp_hooks_s']:.3f}, collectives {d['collectives_s']:.3f}" if d["fsdp_hooks_s"] else ""
+        print(f"{name:>14}: profiled step {d['step']} rank {d['rank']} ({d['step_time_s']:.3f} s under the profiler): "
+              f"{spent} s{dist}")
+        print(" " * 16 + "top ops (self s, calls): " + ", ".join(
+            f"{o['name'][:40]} {o['self_s']:.3f} ({o['count']})" for o in d["top_ops"][:6]))
 
 
 def run_floor(ckpt: Path, a, steps: int, work: Path, extra: list[str]) -> tuple[list[dict], None]:
@@ -222,6 +242,10 @@ def main() -> None:
     ap.add_argument("--transformers-ftz", action="store_true",
                     help="also time transformers with subnormals flushed to zero, as our trainer runs by default")
     ap.add_argument("--ours", nargs="*", default=[], help="extra overrides for our runs (e.g. train.compile=true)")
+    ap.add_argument("--profile", action="store_true",
+                    help="our runs take one more step, profiled (profile.steps) and left out of the figures; "
+                         "the last round's phases and top operators are printed per rank (the launch-to-first-step "
+                         "figure then includes writing the profile)")
     a = ap.parse_args()
     if a.threads is None:
         a.threads = (os.cpu_count() or 1) if a.device == "cuda" else 2
@@ -291,6 +315,10 @@ def main() -> None:
               f"{mem_label} ours {rows['ours']['peak_mem_mb']:.0f} MB vs transformers {rows['transformers']['peak_mem_mb']:.0f} MB")
     if "transformers ftz" in rows:
         print(f"ratio transformers (flush-to-zero) / ours: {rows['transformers ftz']['median_s'] / rows['ours']['median_s']:.2f}x")
+    if a.profile:
+        print_profile("ours", "single")
+        if a.fsdp:
+            print_profile("ours fsdp2", "fsdp2")
     if "ours fsdp2" in rows:
         print(f"fsdp2 / single step time: {rows['ours fsdp2']['median_s'] / rows['ours']['median_s']:.3f}x")
     if "2 x single" in rows:
