@@ -3,8 +3,9 @@
 For each profiled step every chosen rank writes, under ``<run_dir>/profile/step_<N>/``:
 
 - ``rank<r>.txt``: the operator table (self time first), what to read first;
-- ``rank<r>.json``: the step's phases (forward + backward, clipping, optimizer), its wall time and
-  the top operators, for scripts comparing two runs;
+- ``rank<r>.json``: the step's phases (forward + backward, clipping, optimizer), its wall time, the
+  host time in FSDP's hooks and in collectives, and the top operators, for scripts comparing two
+  runs or two ranks;
 - ``rank<r>.trace.json``: the Chrome trace (``profile.trace``), to open in https://ui.perfetto.dev.
 
 The trainer marks its phases with :func:`phase` (``record_function`` ranges named ``hyperpar/...``);
@@ -74,7 +75,6 @@ class StepProfiler:
         self.memory = memory
         self.trace = trace
         self.row_limit = row_limit
-        self.written: list[Path] = []
 
     @classmethod
     def from_config(cls, cfg: Any, run_dir: str, rank: int, device_type: str) -> "StepProfiler | None":
@@ -139,12 +139,8 @@ class StepProfiler:
                         for e in ops],
         }
         (out / f"rank{self.rank}.json").write_text(json.dumps(summary, indent=1) + "\n")
-        paths = [out / f"rank{self.rank}.txt", out / f"rank{self.rank}.json"]
         if self.trace:
-            path = out / f"rank{self.rank}.trace.json"
-            prof.export_chrome_trace(str(path))
-            paths.append(path)
-        self.written += paths
+            prof.export_chrome_trace(str(out / f"rank{self.rank}.trace.json"))
         top = ", ".join(f"{o['name']} {o['self_s']:.3f}s" for o in summary["top_ops"][:4])
         spent = ", ".join([f"{k} {v:.3f}s" for k, v in phases.items()]
                           + [f"{k[:-2]} {summary[k]:.3f}s" for k in ("fsdp_hooks_s", "collectives_s") if summary[k]])
