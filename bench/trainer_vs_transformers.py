@@ -181,9 +181,10 @@ def run_ours(ckpt: Path, a, steps: int, layout: str, work: Path, extra: list[str
 
 def print_profile(name: str, layout: str) -> None:
     """The profiled extra step of ``layout``'s last run, per rank: phases, FSDP and collectives, top ops."""
+    from hyperpar.profile_report import load_profiles
+
     run_dir = LAST_RUN_DIR.get(layout)
-    for path in sorted(run_dir.glob("profile/step_*/rank*.json")) if run_dir else []:
-        d = json.loads(path.read_text())
+    for d in (d for ranks in load_profiles(run_dir).values() for d in ranks) if run_dir else []:
         spent = ", ".join(f"{k} {v:.3f}" for k, v in d["phases_s"].items())
         dist = f"; fsdp hooks {d['fsdp_hooks_s']:.3f}, collectives {d['collectives_s']:.3f}" if d["fsdp_hooks_s"] else ""
         print(f"{name:>14}: profiled step {d['step']} rank {d['rank']} ({d['step_time_s']:.3f} s under the profiler): "

@@ -123,6 +123,7 @@ class StepProfiler:
         table = averages.table(sort_by=self_key, row_limit=self.row_limit)
         (out / f"rank{self.rank}.txt").write_text(table + "\n")
         names = {PHASE_PREFIX + p: p for p in PHASES}
+        events = prof.events()
         phases = {names[e.key]: e.cpu_time_total / 1e6 for e in averages if e.key in names}
         ops = sorted((e for e in averages if e.key not in names and not _PY_FRAME.match(e.key)),
                      key=lambda e: getattr(e, self_key), reverse=True)[: self.row_limit]
@@ -131,8 +132,8 @@ class StepProfiler:
             "step_time_s": record.get("step_time_s"),  # with the profiler's own overhead
             "phases_s": phases,
             # host seconds (on CUDA the collectives' launches; on CPU their whole run, waits included)
-            "fsdp_hooks_s": _outermost_time(prof.events(), _FSDP),
-            "collectives_s": _outermost_time(prof.events(), _COLLECTIVE),
+            "fsdp_hooks_s": _outermost_time(events, _FSDP),
+            "collectives_s": _outermost_time(events, _COLLECTIVE),
             "top_ops": [{"name": e.key, "count": e.count, "self_s": getattr(e, self_key) / 1e6,
                          "total_s": (e.device_time_total if on_device else e.cpu_time_total) / 1e6,
                          **({"input_shapes": e.input_shapes} if self.record_shapes else {})}
