@@ -91,6 +91,21 @@ def cli_metrics(run_dir: Path, overrides: list[str], *, steps: int = STEPS) -> d
 _REFERENCE_RUNS: dict[tuple, dict[int, dict]] = {}
 
 
+def strict_steps(single: dict[int, dict], got: dict[int, dict]) -> list[int]:
+    """The steps an fp32 layout is held to the 1-process run's per-step bound: every step, or, for an
+    MoE model whose routes part at a near-tied token (``metrics.route_counts=true``), the steps before
+    that (as the parity report does). Routes that part any other way fail here."""
+    from hyperpar.parity.compare import route_split
+
+    steps = sorted(single)
+    split = route_split(got, single, steps)
+    if split is None:
+        return steps
+    assert split.near_tie, split.describe()
+    print("MoE:", split.describe())
+    return [s for s in steps if s < split.step]
+
+
 def cli_metrics_shared(run_dir: Path, overrides: list[str], *, steps: int = STEPS) -> dict[int, dict]:
     """``cli_metrics``, with the one-process references (``parallel=single``) that several tests compare
     against trained once per session: a run is deterministic, so the same overrides and steps give the

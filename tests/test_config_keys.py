@@ -386,6 +386,7 @@ EFFECTS: dict[str, Effect] = {
     "metrics.tensorboard": Effect("run", ["metrics.tensorboard=true"], view=has_dir("tb")),
     "metrics.progress_bar": Effect("run", ["metrics.progress_bar=true"], view=log_steps, env=(("HYPERPAR_NO_BAR", None),)),
     "metrics.peak_tflops": Effect("run", ["metrics.peak_tflops=0.5"], view=field("mfu")),
+    "metrics.route_counts": Effect("run", ["metrics.route_counts=true"], ["model=qwen3_5_moe"], view=field("route_counts")),
     # profile: what the profiled step wrote (tests/test_profiler.py reads the files themselves)
     "profile.steps": Effect("run", ["profile.steps=[2]"], view=lambda o: sorted(o["profile"])),
     "profile.ranks": Effect("run", ["profile.ranks=[]"], ["profile.steps=[2]"], view=lambda o: sorted(o["profile"])),

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import cli_metrics_shared, close_group, exit_spawned_rank, free_port
+from helpers import cli_metrics_shared, close_group, exit_spawned_rank, free_port, strict_steps
 from layout_grads import assert_layout_matches_single
 
 CP = 2
@@ -227,8 +227,12 @@ def test_four_rank_cp_layouts_gradients_equal_one_process(model, layout):
 STEPS = 6
 CLI = {
     "qwen3_5": ["model=qwen3_5", "train.seq_len=256"],
-    "qwen3_5_moe": ["model=qwen3_5_moe", "model.mtp_loss_weight=0.3", "train.seq_len=256"],
-    "qwen3_vl_moe": ["model=qwen3_vl_moe", "data=vl_dummy", "train.seq_len=256"],
+    # seed 1: no near-tied route in 6 steps (the default seed's step 2 has a token whose top-2 and top-3
+    # router probabilities are equal in fp32 under cp2; it goes to another expert there, so strict_steps
+    # would hold only step 1 per step)
+    "qwen3_5_moe": ["model=qwen3_5_moe", "model.mtp_loss_weight=0.3", "train.seq_len=256", "metrics.route_counts=true",
+                    "train.seed=1"],
+    "qwen3_vl_moe": ["model=qwen3_vl_moe", "data=vl_dummy", "train.seq_len=256", "metrics.route_counts=true"],
 }
 
 
@@ -237,11 +241,16 @@ def run(run_dir: Path, overrides: list[str]) -> dict[int, dict]:
 
 
 def check_parity(single: dict[int, dict], got: dict[int, dict], what: str) -> None:
+    """Loss, aux and MTP loss per step within 1e-5 (for MoE up to a near-tied token's route, then
+    within the parity report's gross bound)."""
     assert sorted(single) == sorted(got) == list(range(1, STEPS + 1))
     keys = [k for k in ("loss", "aux_loss", "mtp_loss") if k in single[1]]
-    diffs = {k: max(abs(single[s][k] - got[s][k]) for s in single) for k in keys}
-    print(f"{what} vs single, max per-step diff:", diffs)
+    strict = strict_steps(single, got)
+    assert strict, "routes part at step 1"
+    diffs = {k: max(abs(single[s][k] - got[s][k]) for s in strict) for k in keys}
+    print(f"{what} vs single, max per-step diff over steps {strict[0]}-{strict[-1]}:", diffs)
     assert all(d <= 1e-5 for d in diffs.values()), diffs
+    assert all(abs(single[s][k] - got[s][k]) <= 2e-2 for s in single for k in keys)
     assert all(single[s]["tokens"] == got[s]["tokens"] for s in single)  # every token counted once
     assert single[1]["loss"] != single[STEPS]["loss"]  # the weights moved
 

@@ -330,3 +330,59 @@ def test_a_fresh_run_in_a_used_dir_moves_the_old_records_aside(tmp_path: Path) -
     MetricsWriter(tmp_path, rank=0, total_steps=2, start_step=1, progress_bar=False).close()
     assert [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1]
     assert len((tmp_path / "metrics.abandoned.jsonl").read_text().splitlines()) == 2
+
+
+def routes(counts_by_step: dict[int, list[int]], margin: float = 1e-7, blocks: int = 2) -> dict[int, dict]:
+    """MoE route fields per step: block 0 gets the given counts, the later blocks fixed ones."""
+    out = {}
+    for s, first in counts_by_step.items():
+        counts = {f"model.layers.{b}.mlp": first if b == 0 else [4, 4, 4, 4] for b in range(blocks)}
+        out[s] = {"route_hash": json.dumps(counts, sort_keys=True), "route_margin": margin, "route_counts": counts}
+    return out
+
+
+def test_moe_routes_parting_at_a_near_tie_are_held_per_step_only_before_it(tmp_path: Path) -> None:
+    """A token whose top-k margin is within rounding goes to another expert under another layout: its
+    job is held per step up to there and by the mean and the gross bound from there; routes that
+    part by many tokens, or whose counts were not logged, leave the loss check failing, with why."""
+    same = {s: [4, 4, 4, 4] for s in range(1, 6)}
+    moved = {**same, 3: [5, 3, 4, 4], 4: [3, 5, 4, 4], 5: [4, 4, 5, 3]}  # one token moved at step 3
+    make_run(tmp_path, 0, "single", metrics=routes(same))
+    make_run(tmp_path, 1, "cp2", with_offset(3, 2e-4), metrics=routes(moved))
+    make_run(tmp_path, 2, "ep2", with_offset(3, 2e-4), metrics=routes({**same, 3: [7, 1, 4, 4]}))
+    no_counts = {s: {**r, "route_counts": None} for s, r in routes(moved).items()}
+    make_run(tmp_path, 3, "tp2", with_offset(3, 2e-4), metrics=no_counts)
+    make_run(tmp_path, 4, "fsdp2", with_offset(2, 2e-4), metrics=routes(moved))  # off before the routes part
+    make_run(tmp_path, 5, "ddp2", with_offset(3, 2e-4), metrics=routes(moved, margin=1e-3))  # no tie there
+    make_run(tmp_path, 6, "hsdp2x2", with_offset(3, 5e-2), metrics=routes(moved))  # grossly off after it
+    result = compare(tmp_path)
+
+    cp2 = row(result, "cp2")
+    assert cp2.passed, cp2.reasons
+    assert cp2.step_check.startswith("checked to step 2") and "near-tie" in cp2.step_check
+    assert "1 assignment(s) in model.layers.0.mlp" in cp2.route_split and "(a near-tie)" in cp2.route_split
+    ep2 = row(result, "ep2")
+    assert not ep2.passed and "3 assignment(s) in model.layers.0.mlp" in ep2.reasons[-1]
+    assert "(not a near-tie)" in ep2.reasons[-1]
+    tp2 = row(result, "tp2")
+    assert not tp2.passed and "metrics.route_counts=true" in tp2.reasons[-1]
+    assert not row(result, "fsdp2").passed  # step 2 is held per step: the routes were still alike
+    assert not row(result, "ddp2").passed  # one token moved, but no margin near a tie
+    assert any("at step 3 > 2.0e-02" in r for r in row(result, "hsdp2x2").reasons)
+
+    out = tmp_path / "report"
+    out.mkdir()
+    build_report(find_run_dirs([tmp_path]), out)
+    md = (out / "parity.md").read_text()
+    assert "MoE routes" in md and "`parallel=cp2`: routes first differ at step 3" in md
+    assert json.loads((out / "parity.json").read_text())["jobs"][1]["route_split"] == cp2.route_split
+
+
+def test_moe_routes_that_stay_alike_change_nothing(tmp_path: Path) -> None:
+    same = routes({s: [4, 4, 4, 4] for s in range(1, 6)})
+    make_run(tmp_path, 0, "single", metrics=same)
+    make_run(tmp_path, 1, "ep2", with_offset(4, 2e-5), metrics=same)
+    result = compare(tmp_path)
+    ep2 = row(result, "ep2")
+    assert not ep2.passed and ep2.route_split is None
+    assert ep2.reasons == ["max |Δstep| 2.000e-05 at step 4 > 1.0e-05"]

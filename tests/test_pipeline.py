@@ -164,6 +164,8 @@ def check_parity(single: dict[int, dict], got: dict[int, dict], what: str, keys=
     print(f"{what} vs single, max per-step diff:", diffs)
     assert all(d <= (1e-4 if key == "grad_norm" else TOL) for key, d in diffs.items()), diffs
     assert single[1]["loss"] != single[STEPS]["loss"]  # the weights moved
+    if "route_hash" in single[1]:  # MoE: each stage's routes counted once (not the schedule's shape inference)
+        assert [got[s]["route_hash"] for s in sorted(got)] == [single[s]["route_hash"] for s in sorted(single)]
 
 
 def test_pp2_gpipe_and_1f1b_match_single(tmp_path):

@@ -154,6 +154,9 @@ class MetricsConfig:
     progress_bar: bool = True
     # Peak dense FLOP/s per device in TFLOP/s for MFU; None: the device's known figure, else MFU is null.
     peak_tflops: Optional[float] = None
+    # MoE: log each step's expert assignments per block (route_counts) next to route_hash and
+    # route_margin; parity sweeps use them to tell a near-tied token's flip from a routing error.
+    route_counts: bool = False
 
 
 @dataclass

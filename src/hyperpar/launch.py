@@ -177,6 +177,7 @@ def worker_main(cfg: DictConfig, run_dir: str) -> dict[str, Any]:
             objective=Objective(mtp_weight=cfg.model.mtp_loss_weight, loss_parallel=use_loss_parallel(pdims, cfg.train),
                                 cp=SequenceShard.of(pdims)),
             profiler=StepProfiler.from_config(cfg.profile, run_dir, rank, dev.type),
+            route_counts=cfg.metrics.route_counts,
         )
         checkpointer.resume(trainer, resume_path)
         # metrics.jsonl is appended to: a resumed run continues its file (readers keep the last record per step).

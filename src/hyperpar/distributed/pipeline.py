@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -26,7 +27,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from hyperpar.errors import PlanError
-from hyperpar.models.layers.moe import RouterStats, record_router_stats
+from hyperpar.models.layers.moe import RouterStats, active_route_record, record_router_stats, record_routes
 
 log = logging.getLogger("hyperpar")
 
@@ -122,12 +123,24 @@ class StageForward:
     pp_vision = None  # first VL stage: the step's StepVision, set before each schedule step
     pp_idle_tower_rows: frozenset[int] = frozenset()  # first rows of the micro-batches that run the tower on no images
 
-    def forward(self, x: torch.Tensor, *carried: torch.Tensor, position_ids: torch.Tensor | None = None,
-                attention_mask: torch.Tensor | None = None, token_ids: torch.Tensor | None = None,
-                row_index: torch.Tensor | None = None, visual_mask: torch.Tensor | None = None):
+    def forward(self, x: torch.Tensor, *carried: torch.Tensor, **kwargs: Any):
         """``token_ids``: the micro-batch's tokens, read by the last stage's MTP module only (text
         models); ``row_index``: the micro-batch's rows of the step (the first VL stage picks their
-        images); ``visual_mask``: where DeepStack adds its features (VL stages after the first)."""
+        images); ``visual_mask``: where DeepStack adds its features (VL stages after the first).
+
+        MoE routes (train/routes.py) are kept per call in ``pp_route_log``: the schedule's first step
+        also runs each stage once on placeholder inputs to learn the shapes, which must not count;
+        ``PipelineStep`` keeps the last calls, one per micro-batch."""
+        if not self.pp_num_experts or active_route_record() is None:
+            return self._stage_forward(x, *carried, **kwargs)
+        with record_routes() as routes:
+            out = self._stage_forward(x, *carried, **kwargs)
+        self.__dict__.setdefault("pp_route_log", []).append(routes)
+        return out
+
+    def _stage_forward(self, x: torch.Tensor, *carried: torch.Tensor, position_ids: torch.Tensor | None = None,
+                       attention_mask: torch.Tensor | None = None, token_ids: torch.Tensor | None = None,
+                       row_index: torch.Tensor | None = None, visual_mask: torch.Tensor | None = None):
         E = self.pp_num_experts
         carried = list(carried)
         stats = carried.pop(0) if E and not self.pp_is_first else None

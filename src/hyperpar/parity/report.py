@@ -100,6 +100,9 @@ def console_summary(result: ParityResult) -> str:
     lines = [markdown_table(result), "tolerances:", *tolerance_lines(result)]
     for r in result.failed_rows:
         lines.append(f"FAIL {r.label}: {_one_line('; '.join(r.reasons))}")
+    for r in result.rows:
+        if r.passed and r.route_split:
+            lines.append(f"note {r.label}: {r.route_split}")
     return "\n".join(lines)
 
 
@@ -145,6 +148,11 @@ def render_markdown(result: ParityResult) -> str:
     if failed:
         lines.append("Failures:")
         lines.extend(f"- `{r.label}`: {_one_line('; '.join(r.reasons))}" for r in failed)
+        lines.append("")
+    notes = [r for r in result.rows if r.passed and r.route_split]
+    if notes:
+        lines.append("MoE routes (see docs/guide/parity.md, \"MoE: near-tied routes\"):")
+        lines.extend(f"- `{r.label}`: {r.route_split}" for r in notes)
         lines.append("")
     lines.append(result.summary)
     return "\n".join(lines) + "\n"

@@ -28,6 +28,7 @@ from hyperpar.distributed.pipeline import (
     unpack_stats,
 )
 from hyperpar.distributed import pipeline_vl
+from hyperpar.models.layers.moe import active_route_record
 from hyperpar.distributed.vision_sync import idle_tower_forwards
 from hyperpar.models.output import ModelOutput
 from hyperpar.train.objective import MicroBatchLoss, Objective, StepTotals
@@ -142,6 +143,12 @@ class PipelineStep:
             else:
                 self.schedule.step(target=labels if self.has_last else None, return_outputs=False, **rows)
         self.shared.sum_grads()
+        routes = active_route_record()
+        for part in self.parts:  # MoE routes of the micro-batches' forwards (not the shape inference's)
+            log = part.__dict__.pop("pp_route_log", [])
+            if routes is not None:
+                for rec in log[-self.n_microbatches:]:
+                    routes.add(rec)
         # The schedule's shape inference may have run the loss once before the micro-batches.
         logged = self.parts_log[-self.n_microbatches:] if self.has_last else []
         sums = torch.zeros(5, dtype=torch.float32, device=self.device)  # lm, aux, mtp, saw aux, saw mtp

@@ -21,6 +21,7 @@ from hyperpar.train.objective import Objective
 from hyperpar.train.metrics import MetricsWriter
 from hyperpar.train.optim import clip_grad_norm
 from hyperpar.train.profiler import StepProfiler, phase
+from hyperpar.train.routes import RouteMonitor
 
 log = logging.getLogger("hyperpar")
 
@@ -58,6 +59,7 @@ class Trainer:
         objective: Objective | None = None,
         pipeline: Any = None,
         profiler: StepProfiler | None = None,
+        route_counts: bool = False,
     ) -> None:
         self.model = model
         # The list of model parts (one without pipeline parallelism): clipping, gradient sync and
@@ -95,6 +97,8 @@ class Trainer:
         self.vision_group = self.loss_group if pipeline is None and is_vl(getattr(model, "args", None)) else None
         self.history: list[float] = []
         self.profiler = profiler  # profile.steps: torch.profiler around those steps
+        # MoE: where the routers sent each step's tokens (route_hash / route_margin / route_counts)
+        self.routes = RouteMonitor.for_model(self.model_parts, parallel_dims.tp, device, counts=route_counts)
 
     def _sum_over_dp(self, value: torch.Tensor) -> torch.Tensor:
         if dist.get_world_size(self.loss_group) > 1:
@@ -118,7 +122,7 @@ class Trainer:
         if totals.tokens.item() == 0:
             return self._skip_unlabelled(t0)
         self.unlabelled_in_row = 0
-        with phase("forward_backward"):
+        with phase("forward_backward"), self.routes.record() if self.routes else contextlib.nullcontext() as routes:
             loss_sum, aux_sum, mtp_sum, saw_aux, saw_mtp = self._forward_backward(micro_batches, labels, totals)
         with phase("clip_grad"):
             if self.pipeline is not None:
@@ -133,6 +137,8 @@ class Trainer:
             extra["aux_loss"] = (self._sum_over_dp(aux_sum) / totals.micro_batches).item()
         if saw_mtp and totals.mtp_tokens is not None:
             extra["mtp_loss"] = (self._sum_over_dp(mtp_sum) / totals.mtp_tokens).item()
+        if self.routes is not None:
+            extra.update(self.routes.summary(routes))
         if not math.isfinite(loss) or not math.isfinite(grad_norm.item()):
             raise TrainingError(
                 f"non-finite loss at step {self.step + 1}: loss={loss}, grad_norm={grad_norm.item()}",

@@ -18,6 +18,13 @@ the product (MODELS.md 6.3, 17), so no layer can form it. Every block computes i
 forward exactly — and appends them to the innermost ``record_router_stats()`` context if one is
 open. The model opens that context around its forward and calls ``load_balancing_loss`` on what was
 collected. Recomputation during backward runs outside the context and records nothing.
+
+Route records. Top-k routing is discontinuous: a token whose k-th and (k+1)-th router probabilities
+tie within rounding goes to either expert, and two layouts (whose sums round differently) may send
+it to different ones; from there their losses part by far more than rounding. To tell such a tie from
+a layout that routes wrongly, ``record_routes()`` collects, per block (by its ``route_key``), how many
+real tokens each expert got and the smallest top-k margin (``p_k - p_{k+1}``) over those tokens. Like
+the statistics, only a forward inside ``record_router_stats()`` records (not a recomputation).
 """
 
 from __future__ import annotations
@@ -45,7 +52,9 @@ __all__ = [
     "experts_forward",
     "grouped_mm_supported",
     "load_balancing_loss",
+    "RouteRecord",
     "record_router_stats",
+    "record_routes",
     "router_stats",
 ]
 
@@ -127,6 +136,65 @@ def _publish(stats: RouterStats) -> None:
     sink = _ACTIVE_SINK.get()
     if sink is not None:
         sink.append(stats)
+
+
+@dataclass
+class RouteRecord:
+    """Where the routers sent this process's real tokens inside one ``record_routes()`` context: per
+    block's ``route_key``, the top-k assignments per expert (fp32, exact integers), and the smallest
+    top-k margin over every token routed (None: no token)."""
+
+    counts: dict[str, torch.Tensor]
+    margin: torch.Tensor | None = None
+
+    def add(self, other: "RouteRecord") -> None:
+        for key, c in other.counts.items():
+            self.counts[key] = c if key not in self.counts else self.counts[key] + c
+        if other.margin is not None:
+            self.margin = other.margin if self.margin is None else torch.minimum(self.margin, other.margin)
+
+
+_ACTIVE_ROUTES: ContextVar[RouteRecord | None] = ContextVar("hyperpar_route_record", default=None)
+
+
+@contextmanager
+def record_routes() -> Iterator[RouteRecord]:
+    """Collect a ``RouteRecord`` of every keyed MoE block's forward inside (see the module doc)."""
+    record = RouteRecord({})
+    token = _ACTIVE_ROUTES.set(record)
+    try:
+        yield record
+    finally:
+        _ACTIVE_ROUTES.reset(token)
+
+
+def active_route_record() -> RouteRecord | None:
+    """The innermost open ``record_routes()`` record, if any."""
+    return _ACTIVE_ROUTES.get()
+
+
+def top_k_margin(probs: torch.Tensor, indices: torch.Tensor, token_mask: torch.Tensor | None = None) -> torch.Tensor | None:
+    """min over (real) tokens of (the smallest chosen probability - the largest one not chosen); None
+    when no token counts or every expert is chosen."""
+    T, E = probs.shape
+    if indices.shape[-1] >= E or T == 0:
+        return None
+    with torch.no_grad():
+        p = probs.detach().float()
+        chosen = p.gather(1, indices).amin(1)
+        rest = p.scatter(1, indices, -1.0).amax(1)  # probabilities are >= 0
+        margin = chosen - rest
+        if token_mask is not None:
+            margin = margin.masked_fill(token_mask.reshape(-1).to(margin.device) == 0, float("inf"))
+        out = margin.amin()
+    return out
+
+
+def _note_routes(key: str | None, stats: RouterStats, routing: "Routing", token_mask: torch.Tensor | None) -> None:
+    record = _ACTIVE_ROUTES.get()
+    if record is None or key is None or _ACTIVE_SINK.get() is None:  # no record, or a recomputation
+        return
+    record.add(RouteRecord({key: stats.counts.detach()}, top_k_margin(routing.probs, routing.indices, token_mask)))
 
 
 # --- router -------------------------------------------------------------------------------------
@@ -417,12 +485,15 @@ class SparseMoeBlock(nn.Module):
         if shared_expert_intermediate_size:
             self.shared_expert = SwiGLUMLP(hidden_size, shared_expert_intermediate_size)
             self.shared_expert_gate = Linear(hidden_size, 1, bias=False)
+        self.route_key: str | None = None  # this block's name in route records (set by the trainer)
 
     def forward(self, x: torch.Tensor, token_mask: torch.Tensor | None = None) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, self.hidden_size)  # (T, H)
         routing = self.gate(x)
-        _publish(router_stats(routing.probs, routing.indices, token_mask))
+        stats = router_stats(routing.probs, routing.indices, token_mask)
+        _publish(stats)
+        _note_routes(self.route_key, stats, routing, token_mask)
         out = routed_experts(x, routing, self.experts)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
