@@ -375,6 +375,7 @@ def test_moe_routes_parting_at_a_near_tie_are_held_per_step_only_before_it(tmp_p
     build_report(find_run_dirs([tmp_path]), out)
     md = (out / "parity.md").read_text()
     assert "MoE routes" in md and "`parallel=cp2`: routes first differ at step 3" in md
+    assert "- MoE: an fp32 job whose routes part" in md
     assert json.loads((out / "parity.json").read_text())["jobs"][1]["route_split"] == cp2.route_split
 
 

@@ -74,10 +74,14 @@ def test_monitor_counts_tensor_parallel_replicas_once_and_hashes_the_counts():
     two = RouteMonitor(["0"], {"0": 4}, tp=2, device=torch.device("cpu"), counts=True).summary(twice)
     assert one == two
     assert one["route_counts"] == {"0": [3, 1, 0, 4]} and one["route_margin"] == pytest.approx(2e-7)
+    assert one["route_max_load"] == pytest.approx(4 / (8 / 4))  # the busiest expert over the mean
     want = hashlib.blake2b(torch.tensor([3, 1, 0, 4], dtype=torch.int64).numpy().tobytes(), digest_size=8).hexdigest()
     assert one["route_hash"] == want
     quiet = RouteMonitor(["0"], {"0": 4}, tp=1, device=torch.device("cpu")).summary(RouteRecord({}))
-    assert "route_counts" not in quiet and quiet["route_margin"] is None
+    assert "route_counts" not in quiet and quiet["route_margin"] is None and quiet["route_max_load"] is None
+    two_blocks = RouteMonitor(["a", "b"], {"a": 2, "b": 2}, tp=1, device=torch.device("cpu")).summary(
+        RouteRecord({"a": torch.tensor([5.0, 5.0]), "b": torch.tensor([9.0, 1.0])}))
+    assert two_blocks["route_max_load"] == pytest.approx(1.8)  # block b: 9 over a mean of 5
 
 
 def test_blocks_are_ordered_as_a_forward_meets_them():
@@ -97,6 +101,7 @@ def test_an_moe_run_logs_its_routes_and_a_dense_run_does_not(tmp_path):
         per_block = [sum(c) for c in counts.values()]
         assert len(set(per_block[:4])) == 1 and per_block[4] < per_block[0]
         assert len(rec["route_hash"]) == 16 and 0 <= rec["route_margin"] < 1
+        assert 1 <= rec["route_max_load"] <= 8 / 2  # debug MoE: 8 experts, top-2
     assert moe[1]["route_hash"] != moe[2]["route_hash"]
     dense = cli_metrics(tmp_path / "dense", ["model=qwen3_5", "parallel=single"], steps=1)
     assert not {"route_hash", "route_margin", "route_counts"} & set(dense[1])

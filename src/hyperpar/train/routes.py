@@ -7,6 +7,8 @@ parallel replicas counted once; padding left out):
   made the same choices log the same hash, whatever their layout.
 - ``route_margin``: the smallest top-k margin ``p_k - p_{k+1}`` of any token, block and micro-batch.
   A token this close to a tie can go to another expert under another layout's rounding.
+- ``route_max_load``: the busiest expert's assignments over the mean per expert, in the block where
+  that ratio is largest: 1.0 is perfect balance, ``E / k`` one expert taking every token's slot.
 - ``route_counts`` (``metrics.route_counts=true``): the assignments themselves, ``{block: [per
   expert]}``; what the parity report needs to tell a near-tied token that went the other way (one
   token moves, in the first block whose counts differ) from a layout that routes wrongly.
@@ -102,6 +104,9 @@ class RouteMonitor:
         out: dict[str, Any] = {"route_hash": hashlib.blake2b(counts.numpy().tobytes(), digest_size=8).hexdigest()}
         m = float(margin.item())
         out["route_margin"] = m if m != float("inf") else None
+        loads = [c.max().item() * c.numel() / c.sum().item() for c in torch.split(counts, [self.experts[k] for k in self.keys])
+                 if c.sum().item() > 0]
+        out["route_max_load"] = max(loads) if loads else None
         if self.counts:
             out["route_counts"] = {k: counts[self._offsets[k]:self._offsets[k] + self.experts[k]].tolist()
                                    for k in self.keys}
