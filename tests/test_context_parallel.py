@@ -278,7 +278,7 @@ def test_fsdp2_cp2_matches_single(tmp_path):
 def test_checkpoints_cross_between_cp2_and_fsdp2(tmp_path, source, layout):
     """An fsdp2 checkpoint resumes under cp2 and a cp2 one under fsdp2 (both shard over 2 ranks, DCP
     reshards): steps 4-6 within 1e-5 of the uninterrupted fsdp2 run."""
-    extra = ["model=qwen3_5_moe", "model.mtp_loss_weight=0.3", "train.seq_len=64",
+    extra = ["model=qwen3_5_moe", "model.mtp_loss_weight=0.3", "train.seq_len=64", "metrics.route_counts=true",
              "checkpoint=default", "checkpoint.save_steps=3", "checkpoint.keep_last=0"]
     ref = run(tmp_path / "fsdp2", [*extra, "parallel=fsdp2"])
     if source != "fsdp2":
@@ -286,7 +286,9 @@ def test_checkpoints_cross_between_cp2_and_fsdp2(tmp_path, source, layout):
     step3 = tmp_path / source / "checkpoints" / "step_3"
     got = run(tmp_path / f"{layout}_from_{source}", [*extra, f"parallel={layout}", f"checkpoint.load_path={step3}"])
     assert sorted(got) == [4, 5, 6]
-    diffs = {k: max(abs(got[s][k] - ref[s][k]) for s in got) for k in ("loss", "aux_loss", "mtp_loss")}
+    strict = strict_steps({s: ref[s] for s in got}, got)  # MoE: up to a near-tied token's route
+    assert strict, "routes part at step 4"
+    diffs = {k: max(abs(got[s][k] - ref[s][k]) for s in strict) for k in ("loss", "aux_loss", "mtp_loss")}
     print(f"{layout} resumed from {source} vs uninterrupted fsdp2:", diffs)
     assert all(d <= 1e-5 for d in diffs.values()), diffs
 

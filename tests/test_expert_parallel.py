@@ -228,7 +228,10 @@ def test_checkpoints_cross_between_ep2_and_single(tmp_path, model):
                                                           f"checkpoint.load_path={step3}"])
         assert sorted(got) == [4, 5, 6]
         ref = {s: single[s] for s in got}
-        resumed[layout] = {key: worst(got, ref, key) for key in ("loss", "aux_loss")}
+        strict = strict_steps(ref, got)  # MoE: up to a near-tied token's route
+        assert strict, "routes part at step 4"
+        resumed[layout] = {key: worst({s: got[s] for s in strict}, {s: ref[s] for s in strict}, key)
+                           for key in ("loss", "aux_loss")}
     print(f"{model} resumed across ep2/single vs uninterrupted single:", resumed)
     assert all(v <= TOL for d in resumed.values() for v in d.values()), resumed
 
