@@ -376,7 +376,9 @@ def test_moe_routes_parting_at_a_near_tie_are_held_per_step_only_before_it(tmp_p
     md = (out / "parity.md").read_text()
     assert "MoE routes" in md and "`parallel=cp2`: routes first differ at step 3" in md
     assert "- MoE: an fp32 job whose routes part" in md
-    assert json.loads((out / "parity.json").read_text())["jobs"][1]["route_split"] == cp2.route_split
+    job = json.loads((out / "parity.json").read_text())["jobs"][1]
+    assert job["route_split"] == cp2.route_split and job["route_split_step"] == 3
+    assert (out / "parity.png").stat().st_size > 0
 
 
 def test_moe_routes_that_stay_alike_change_nothing(tmp_path: Path) -> None:

@@ -72,6 +72,7 @@ class JobRow:
     peak_mem_mb_max: float | None
     reasons: list[str] = field(default_factory=list)  # why it failed; empty when it passed
     route_split: str | None = None  # MoE: where and how the routes first differ from the baseline's
+    route_split_step: int | None = None
 
     @property
     def passed(self) -> bool:
@@ -368,6 +369,7 @@ def _compare_one(
         peak_mem_mb_max=_metric(run, "peak_mem_mb", "max"),
         reasons=reasons,
         route_split=None if split is None else split.describe(),
+        route_split_step=None if split is None else split.step,
     )
 
 

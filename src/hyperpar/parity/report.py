@@ -235,6 +235,8 @@ def write_png(result: ParityResult, path: Path) -> Path:
             diffs = [max(d, _DIFF_FLOOR) if math.isfinite(d) else math.nan for d in row.step_diffs]
             bottom.plot(row.compared_steps, diffs, color=color, lw=1.2, marker=".", ms=3,
                         label=row.label)
+        if row.route_split_step is not None:  # MoE: from here the routes (and so the losses) may part
+            bottom.axvline(row.route_split_step, color=color, ls="--", lw=1, label=f"{row.label}: routes part")
     base = next(r for r in result.rows if r.is_baseline)
     if base.steps:
         # Drawn last and dashed so the jobs that match it bitwise stay visible underneath.
