@@ -13,7 +13,7 @@ parallel replicas counted once; padding left out):
   expert]}``; what the parity report needs to tell a near-tied token that went the other way (one
   token moves, in the first block whose counts differ) from a layout that routes wrongly.
 
-Costs two small all-reduces per step (blocks x experts numbers, and one) and a pass over the router
+Costs two small all-reduces per step (blocks x experts fp32 numbers, and one) and a pass over the router
 probabilities; dense models log none of it.
 """
 
@@ -89,13 +89,15 @@ class RouteMonitor:
 
     def summary(self, rec: RouteRecord) -> dict[str, Any]:
         """The step's metrics from this rank's record; collective (every rank calls it each step)."""
-        vec = torch.zeros(self._size, dtype=torch.float64, device=self.device)
+        # fp32, which every backend reduces (HCCL included): counts stay exact integers up to 2^24
+        # assignments of one expert in one block per step, far above any global batch's
+        vec = torch.zeros(self._size, dtype=torch.float32, device=self.device)
         for key, c in rec.counts.items():
             o = self._offsets[key]
-            vec[o:o + c.numel()] += c.to(device=self.device, dtype=torch.float64)
-        margin = torch.full((1,), float("inf"), dtype=torch.float64, device=self.device)
+            vec[o:o + c.numel()] += c.to(device=self.device, dtype=torch.float32)
+        margin = torch.full((1,), float("inf"), dtype=torch.float32, device=self.device)
         if rec.margin is not None:
-            margin[0] = rec.margin.to(torch.float64)
+            margin[0] = rec.margin.float()
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(vec)
             dist.all_reduce(margin, op=dist.ReduceOp.MIN)
