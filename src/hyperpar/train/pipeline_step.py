@@ -28,8 +28,8 @@ from hyperpar.distributed.pipeline import (
     unpack_stats,
 )
 from hyperpar.distributed import pipeline_vl
-from hyperpar.models.layers.moe import active_route_record
 from hyperpar.distributed.vision_sync import idle_tower_forwards
+from hyperpar.models.layers.moe import active_route_record
 from hyperpar.models.output import ModelOutput
 from hyperpar.train.objective import MicroBatchLoss, Objective, StepTotals
 from hyperpar.train.optim import clip_grad_norm

@@ -21,14 +21,13 @@ from __future__ import annotations
 
 import hashlib
 import re
-from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from hyperpar.models.layers.moe import RouteRecord, SparseMoeBlock, record_routes
+from hyperpar.models.layers.moe import RouteRecord, SparseMoeBlock
 from hyperpar.models.param_names import canonical_name
 
 
@@ -50,21 +49,15 @@ def route_keys(parts: list[nn.Module]) -> dict[str, int]:
 
 
 class RouteMonitor:
-    """The trainer's side of ``record_routes``: one record per step, reduced over the world."""
+    """The trainer's side of ``record_routes``: each step's record, reduced over the world."""
 
     def __init__(self, keys: list[str], experts: dict[str, int], tp: int, device: torch.device,
                  counts: bool = False) -> None:
         self.keys = keys  # every rank's blocks, in forward order
-        self.experts = experts
+        self.sizes = [experts[k] for k in keys]  # each block's slice of the reduced vector
         self.tp = tp
         self.device = device
         self.counts = counts
-        self._offsets: dict[str, int] = {}
-        n = 0
-        for k in keys:
-            self._offsets[k] = n
-            n += experts[k]
-        self._size = n
 
     @classmethod
     def for_model(cls, parts: list[nn.Module], tp: int, device: torch.device, counts: bool = False) -> "RouteMonitor | None":
@@ -82,19 +75,14 @@ class RouteMonitor:
             return None
         return cls(sorted(experts, key=_natural), experts, tp, device, counts)
 
-    @contextmanager
-    def record(self) -> Iterator[RouteRecord]:
-        with record_routes() as rec:
-            yield rec
-
     def summary(self, rec: RouteRecord) -> dict[str, Any]:
         """The step's metrics from this rank's record; collective (every rank calls it each step)."""
         # fp32, which every backend reduces (HCCL included): counts stay exact integers up to 2^24
         # assignments of one expert in one block per step, far above any global batch's
-        vec = torch.zeros(self._size, dtype=torch.float32, device=self.device)
+        vec = torch.zeros(sum(self.sizes), dtype=torch.float32, device=self.device)
+        blocks = dict(zip(self.keys, vec.split(self.sizes)))  # views
         for key, c in rec.counts.items():
-            o = self._offsets[key]
-            vec[o:o + c.numel()] += c.to(device=self.device, dtype=torch.float32)
+            blocks[key] += c.to(device=self.device, dtype=torch.float32)
         margin = torch.full((1,), float("inf"), dtype=torch.float32, device=self.device)
         if rec.margin is not None:
             margin[0] = rec.margin.float()
@@ -106,10 +94,9 @@ class RouteMonitor:
         out: dict[str, Any] = {"route_hash": hashlib.blake2b(counts.numpy().tobytes(), digest_size=8).hexdigest()}
         m = float(margin.item())
         out["route_margin"] = m if m != float("inf") else None
-        loads = [c.max().item() * c.numel() / c.sum().item() for c in torch.split(counts, [self.experts[k] for k in self.keys])
-                 if c.sum().item() > 0]
+        per_block = counts.split(self.sizes)
+        loads = [c.max().item() * c.numel() / c.sum().item() for c in per_block if c.sum().item() > 0]
         out["route_max_load"] = max(loads) if loads else None
         if self.counts:
-            out["route_counts"] = {k: counts[self._offsets[k]:self._offsets[k] + self.experts[k]].tolist()
-                                   for k in self.keys}
+            out["route_counts"] = {k: c.tolist() for k, c in zip(self.keys, per_block)}
         return out

@@ -16,6 +16,7 @@ from torch import nn
 from hyperpar.distributed.pipeline_vl import is_vl
 from hyperpar.distributed.vision_sync import has_vision, idle_tower_forwards
 from hyperpar.errors import TrainingError
+from hyperpar.models.layers.moe import record_routes
 from hyperpar.models.multimodal import tower_runs_without_items
 from hyperpar.train.objective import Objective
 from hyperpar.train.metrics import MetricsWriter
@@ -122,7 +123,7 @@ class Trainer:
         if totals.tokens.item() == 0:
             return self._skip_unlabelled(t0)
         self.unlabelled_in_row = 0
-        with phase("forward_backward"), self.routes.record() if self.routes else contextlib.nullcontext() as routes:
+        with phase("forward_backward"), record_routes() if self.routes else contextlib.nullcontext() as routes:
             loss_sum, aux_sum, mtp_sum, saw_aux, saw_mtp = self._forward_backward(micro_batches, labels, totals)
         with phase("clip_grad"):
             if self.pipeline is not None:

@@ -45,6 +45,7 @@ from hyperpar.models.layers.mlp import SwiGLUMLP
 
 __all__ = [
     "GroupedExperts",
+    "RouteRecord",
     "RouterStats",
     "Routing",
     "SparseMoeBlock",
@@ -52,7 +53,6 @@ __all__ = [
     "experts_forward",
     "grouped_mm_supported",
     "load_balancing_loss",
-    "RouteRecord",
     "record_router_stats",
     "record_routes",
     "router_stats",
