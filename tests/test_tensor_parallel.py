@@ -54,6 +54,17 @@ def test_tp_combinations_gradients_equal_one_process(model: str, layout: str, wo
     _compare(model, layout, world, extra)
 
 
+@pytest.mark.parametrize(("model", "layout", "world", "extra"), [
+    # tied: the embedding and head share one unevenly split tensor (rows 1024 + 1023)
+    ("qwen3_5", "tp2", 2, ["+model.overrides.tie_word_embeddings=true"]),
+    # VL: the embedding's output is all-reduced whole before the vision merge; FSDP over the uneven split
+    ("qwen3_vl_moe", "fsdp_tp2", 4, []),
+])
+def test_vocab_not_divisible_by_tp(model: str, layout: str, world: int, extra: list[str]) -> None:
+    """A vocabulary of 2047 over tp 2 (no padding): every gradient equals one process's."""
+    _compare(model, layout, world, ["+model.overrides.vocab_size=2047", *extra])
+
+
 def test_kv_heads_fewer_than_tp_are_replicated() -> None:
     """1 KV head under tp 2: both ranks compute it, each keeps it for its query heads; gradients summed."""
     _compare("qwen3_5", "tp2", 2, ["+model.overrides.num_key_value_heads=1"])
@@ -61,13 +72,13 @@ def test_kv_heads_fewer_than_tp_are_replicated() -> None:
 
 def _unusual_checkpoint(path: Path) -> dict:
     """An HF Qwen3.5 checkpoint with an odd geometry (saved by transformers): 1 KV head, 6 query
-    heads, untied, 3 layers L F L, dk 24 ≠ dv 16, hidden 96, vocab 1000."""
+    heads, untied, 3 layers L F L, dk 24 ≠ dv 16, hidden 96, vocab 1001 (split 501 + 500 under tp 2)."""
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
     cfg = tiny_qwen3_5(hidden_size=96, num_attention_heads=6, num_key_value_heads=1, head_dim=16, intermediate_size=160,
                        linear_num_key_heads=2, linear_num_value_heads=6, linear_key_head_dim=24, linear_value_head_dim=16,
                        num_hidden_layers=3, layer_types=["linear_attention", "full_attention", "linear_attention"],
-                       vocab_size=1000, tie_word_embeddings=False)
+                       vocab_size=1001, tie_word_embeddings=False)
     torch.manual_seed(0)
     Qwen3_5ForCausalLM(Qwen3_5TextConfig(**cfg)).save_pretrained(str(path))
     return cfg

@@ -112,7 +112,9 @@ class ParallelDims:
         if self.vision_tp:
             need(geometry.get("vision_num_heads", 0), tp, "vision heads", "tp (parallel.vision_tp)")
             need(geometry.get("vision_intermediate_size", 0), tp, "vision MLP intermediate size", "tp (parallel.vision_tp)")
-        need(geometry.get("vocab_size", 0), tp, "vocab size", "tp")
+        # No vocab check: the embedding and head split the vocabulary in torch.chunk's blocks (the first
+        # ranks one row more when it does not divide), and the rank-local load, the masked lookup, the
+        # sharded cross-entropy and checkpoints all go by each shard's own size.
         need(geometry.get("intermediate_size", 0), tp, "MLP intermediate size", "tp")
         need(geometry.get("moe_intermediate_size", 0), tp, "expert intermediate size", "tp")
         need(geometry.get("shared_expert_intermediate_size", 0), tp, "shared-expert intermediate size", "tp")
