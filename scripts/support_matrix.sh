@@ -11,8 +11,8 @@ dense=single,ddp2,fsdp2,hsdp2x2,tp2,fsdp_tp2,hsdp2_tp2,fsdp2_tp2_nosp,cp2,fsdp2_
 moe=$dense,ep2,fsdp4_ep2,fsdp2_tp2_ep2,fsdp2_cp2_ep2
 pp=pp2,pp2_1f1b,pp2_vpp2,pp2_zb,fsdp2_pp2,tp2_pp2  # pipeline layouts (every family)
 sweeps=()
-for spec in qwen3_5:$dense,$pp,cp2_pp2 qwen3_5_vl:$dense,$pp qwen3_5_moe:$moe,$pp,cp2_pp2,ep2_pp2 \
-            qwen3_5_moe_vl:$moe,$pp,ep2_pp2 qwen3_vl_moe:$moe,$pp,ep2_pp2; do
+for spec in qwen3_5:$dense,$pp,cp2_pp2 qwen3_5_vl:$dense,$pp,cp2_pp2 qwen3_5_moe:$moe,$pp,cp2_pp2,ep2_pp2 \
+            qwen3_5_moe_vl:$moe,$pp,cp2_pp2,ep2_pp2 qwen3_vl_moe:$moe,$pp,cp2_pp2,ep2_pp2; do
   model=${spec%%:*} layouts=${spec#*:}
   extra=()
   [[ $model == qwen3_5_moe* ]] && extra=(model.mtp_loss_weight=0.3)  # the MTP head trains too

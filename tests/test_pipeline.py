@@ -99,7 +99,6 @@ def test_stage_statistics_add_up_to_the_whole_model():
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["parallel=cp2_pp2", "model=qwen3_vl_moe"], "pp with cp for qwen3_vl_moe not supported yet"),
     (["parallel=pp2", "train.pp_microbatches=3"], "train.pp_microbatches=3 must divide the 4 rows"),
     (["parallel=pp2_1f1b", "train.global_batch_size=1"], "needs at least pp=2 micro-batches"),
     (["parallel=pp2", "parallel.pp_schedule=interleaved_1f1b"], "interleaved_1f1b needs vpp > 1"),
@@ -118,8 +117,8 @@ def test_plan_refuses_what_is_not_built(overrides, message):
 
 
 def test_cli_refusal_is_one_line(tmp_path):
-    res = cli_small(tmp_path / "run", ["parallel=cp2_pp2", "model=qwen3_vl_moe"], steps=1)
-    assert "pp with cp for qwen3_vl_moe not supported yet" in one_error_line(res)
+    res = cli_small(tmp_path / "run", ["parallel=pp2_zb", "train.activation_checkpoint=selective"], steps=1)
+    assert "zero_bubble with train.activation_checkpoint=selective not supported" in one_error_line(res)
 
 
 def test_step_vision_picks_the_images_of_a_row_range():
@@ -247,29 +246,34 @@ def test_qwen3_vl_moe_pipelines_match_single(tmp_path):
     """Images, videos and text-only rows, so the micro-batches carry different numbers of each
     (ragged): the vision tower runs on the first stage for its micro-batch's rows, the 3-D positions
     reach every stage. pp 2 x vpp 2 puts layer 1 on the second stage: the DeepStack level it adds
-    travels there. Also tp 2 x pp 2 and ep 2 x pp 2 (dp_shard 2); loss and aux loss as one process."""
+    travels there. Also tp 2 x pp 2, ep 2 x pp 2 (dp_shard 2) and cp 2 x pp 2 with layer 1 on the
+    second stage (the carried level is cut to each cp rank's shard there); loss and aux loss as one
+    process."""
     model = ["model=qwen3_vl_moe", *VL_DATA]
     single = run(tmp_path / "single", [*model, "parallel=single"])
-    for layout in ("pp2_vpp2", "tp2_pp2", "ep2_pp2"):
-        got = run(tmp_path / layout, [*model, f"parallel={layout}"])
+    for layout, extra in (("pp2_vpp2", []), ("tp2_pp2", []), ("ep2_pp2", []), ("cp2_pp2", ["parallel.pp_layers=[1,3]"])):
+        got = run(tmp_path / layout, [*model, f"parallel={layout}", *extra])
         check_parity(single, got, f"qwen3_vl_moe {layout}", keys=("loss", "aux_loss", "grad_norm"))
 
 
-@pytest.mark.parametrize("model", [
-    pytest.param(["model=qwen3_5_moe_vl", "model.mtp_loss_weight=0.3"], id="qwen3_5_moe_vl_mtp"),
-    pytest.param(["model=qwen3_5_vl"], id="qwen3_5_vl", marks=pytest.mark.full),
+@pytest.mark.parametrize("model, layout", [
+    pytest.param(["model=qwen3_5_moe_vl", "model.mtp_loss_weight=0.3"], "fsdp2_pp2", id="qwen3_5_moe_vl_mtp"),
+    pytest.param(["model=qwen3_5_vl"], "fsdp2_pp2", id="qwen3_5_vl", marks=pytest.mark.full),
+    pytest.param(["model=qwen3_5_moe_vl", "model.mtp_loss_weight=0.3"], "cp2_pp2", id="qwen3_5_moe_vl_mtp-cp2_pp2",
+                 marks=pytest.mark.full),
 ])
-def test_qwen3_5_vl_pp2_matches_single(tmp_path, model):
+def test_qwen3_5_vl_pp2_matches_single(tmp_path, model, layout):
     """The Qwen3.5 VL families (ragged VL data) under fsdp 2 x pp 2: MoE with the MTP head, which
     reads the merged input embeddings carried from the first stage; dense with the schedule cutting
     rows of one (4 micro-batches of a 4-row-per-rank step), so the pipeline splits the loader's
-    micro-batches of 2 and each picks its own images."""
+    micro-batches of 2 and each picks its own images. Under cp 2 x pp 2 the MTP head on the last
+    stage cuts its shard (and the row past it) from the carried whole-row embeddings."""
     single = run(tmp_path / "single", [*model, *VL_DATA, "parallel=single"])
     moe = "moe" in model[0]
     # the aux loss is per micro-batch: equal when the pipeline's micro-batches are the loader's
-    got = run(tmp_path / "pp2", [*model, *VL_DATA, "parallel=fsdp2_pp2", *([] if moe else ["train.pp_microbatches=4"])])
+    got = run(tmp_path / "pp2", [*model, *VL_DATA, f"parallel={layout}", *([] if moe else ["train.pp_microbatches=4"])])
     keys = ("loss", "grad_norm") + (("aux_loss", "mtp_loss") if moe else ())
-    check_parity(single, got, f"{model[0]} fsdp2_pp2", keys=keys)
+    check_parity(single, got, f"{model[0]} {layout}", keys=keys)
 
 
 @pytest.mark.full  # fsdp x pp: the Qwen3.5 VL pipeline and the 8-process checkpoint test in the default run

@@ -34,9 +34,7 @@ log = logging.getLogger("hyperpar")
 # Families whose stage forward (``StageForward``) is written; the others are refused in the plan.
 PP_FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_5_vl", "qwen3_5_moe_vl", "qwen3_vl_moe")
 # What ``PipelineJob.check`` refuses today, as the support matrix page lists it.
-NOT_BUILT = (
-    ("`parallel.pp` > 1 with `cp` > 1 for the VL families", 'not built yet: "pp with cp for qwen3_vl_moe not supported yet"'),
-)
+NOT_BUILT: tuple[tuple[str, str], ...] = ()
 
 
 # ---- split points ------------------------------------------------------------------------------
@@ -388,10 +386,6 @@ class PipelineJob:
         schedule = check_pp_schedule(cfg.parallel.pp_schedule)
         if model_name not in PP_FAMILIES:
             raise PlanError(f"pp for {model_name} not supported yet", hint=f"pipeline parallel trains {', '.join(PP_FAMILIES)}")
-        from hyperpar.distributed.pipeline_vl import is_vl
-
-        if is_vl(args) and pdims.cp > 1:
-            raise PlanError(f"pp with cp for {model_name} not supported yet", hint="set parallel.cp=1 or parallel.pp=1")
         if schedule != "zero_bubble" and (schedule == "interleaved_1f1b") != (pdims.vpp > 1):
             raise PlanError(f"parallel.pp_schedule={schedule} with vpp {pdims.vpp}: interleaved_1f1b needs vpp > 1, "
                             "gpipe and 1f1b need vpp 1")
