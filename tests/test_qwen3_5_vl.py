@@ -281,13 +281,23 @@ def test_overrides_that_contradict_the_checkpoint_are_one_line_errors(tmp_path: 
          dict(num_hidden_layers=2, overrides={"layer_types": ["linear_attention"] * 3})),
         (ConfigError, "contradicts", dict(num_hidden_layers=2, overrides={"num_hidden_layers": 3})),
         (ConfigError, "no such geometry field", dict(overrides={"num_hiden_layers": 2})),
-        (ConfigError, "did not take effect", dict(overrides={"rope_theta": 5.0})),
         (CheckpointError, "wrong shape", dict(overrides={"intermediate_size": 96})),
     ]
     for kind, match, kwargs in cases:
         with pytest.raises(kind, match=match) as e:
             ModelBuilder(name="qwen3_5_vl", hf_path=str(d), **kwargs).build_meta()
         _one_line(e)
+    # rotary fields are given flat and land where the config nests them (rope_parameters), text and vision
+    rope = ModelBuilder(name="qwen3_5_vl", hf_path=str(d), overrides={
+        "rope_theta": 5.0, "partial_rotary_factor": 0.5, "mrope_section": [6, 5, 5], "vision": {"rope_theta": 500.0}})
+    rope.build_meta()
+    text = rope.args.text
+    assert (text.rope_theta, text.partial_rotary_factor, text.mrope_section) == (5.0, 0.5, [6, 5, 5])
+    assert rope.args.vision.rope_theta == 500.0
+    from hyperpar.models.geometry_overrides import check_applied
+
+    with pytest.raises(ConfigError, match="did not take effect"):  # the guard behind every override
+        check_applied(rope.args, {"rope_theta": 6.0})
     # without weights the override builds a fresh, larger model
     fresh = ModelBuilder(name="qwen3_5_vl", hf_path=str(d), load_weights=False, num_hidden_layers=8,
                          overrides={"layer_types": ["linear_attention", "full_attention"] * 4})

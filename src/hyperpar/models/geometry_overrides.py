@@ -93,7 +93,7 @@ def apply_overrides(config: dict[str, Any], overrides: dict[str, Any], *, loadin
                 if vkey == "depth":
                     left += _cut_vision(vision, int(vvalue), loading)
                 else:
-                    vision[vkey] = copy.deepcopy(vvalue)
+                    _set(vision, vkey, vvalue)
         elif key == "num_hidden_layers":
             left += _cut_text(text, int(value), loading, types_given="layer_types" in overrides)
         elif key == "mtp_num_hidden_layers":
@@ -104,12 +104,27 @@ def apply_overrides(config: dict[str, Any], overrides: dict[str, Any], *, loadin
             # the text config's own copy alone is ignored by one family and overridden by the other.
             cfg[key] = text[key] = copy.deepcopy(value)
         else:
-            text[key] = copy.deepcopy(value)
+            _set(text, key, value)
     return cfg, left
 
 
+# Where a config.json nests its rotary fields (transformers 5; older configs: rope_scaling). The
+# families read a rotary field there before the top level, so an override goes to both.
+_ROPE_DICTS = ("rope_parameters", "rope_scaling")
+
+
+def _set(holder: dict[str, Any], key: str, value: Any) -> None:
+    holder[key] = copy.deepcopy(value)
+    for name in _ROPE_DICTS:
+        nested = holder.get(name)
+        if isinstance(nested, dict) and key in nested:
+            nested[key] = copy.deepcopy(value)
+
+
 def check_applied(args: Any, overrides: dict[str, Any]) -> None:
-    """Every override landed on the args the family built (``args.text`` / ``args.vision``)."""
+    """Every override landed on the args the family built (``args.text`` / ``args.vision``).
+    A rotary field (``rope_theta``, ``partial_rotary_factor``, ``mrope_section``) is given flat: it is
+    written where the config nests it too (``_set``)."""
     text = getattr(args, "text", args)
     for key, value in overrides.items():
         if key in _VISION_KEYS:
