@@ -18,7 +18,8 @@ CASES = [
     (["parallel=tp2", "parallel.tp=3", "parallel.world_size=3"], "attention heads 4 not divisible by tp 3"),
     (["parallel=tp2", "+model.overrides.num_key_value_heads=1", "parallel.replicate_kv_heads=false"],
      "key/value heads 1 < tp 2 and parallel.replicate_kv_heads=false"),
-    (["parallel=cp2_pp2", "model=qwen3_vl_moe"], "pp with cp for qwen3_vl_moe not supported yet"),
+    (["parallel=ep2_pp2", "model=qwen3_5_moe", "train.activation_checkpoint=selective"],
+     "pp with ep and train.activation_checkpoint=selective not supported"),
     (["parallel.world_size=2", "parallel.dp_shard=2", "parallel.ep=2"], "parallel.ep=2 but the model has no experts"),
     (["model.hf_path=/nonexistent/model"], "model.hf_path '/nonexistent/model' does not exist"),
 ]
@@ -53,10 +54,10 @@ def test_dry_run_prints_plan_without_workers(tmp_path):
 
 
 def test_dry_run_rejects_unsupported_with_verdict(tmp_path):
-    res = run_cli(["parallel=cp2_pp2", "model=qwen3_vl_moe", "dry_run=true", f"hydra.run.dir={tmp_path}/run"],
-                  cwd=tmp_path, timeout=120)
+    res = run_cli(["parallel=pp2_zb", "train.activation_checkpoint=selective", "dry_run=true",
+                   f"hydra.run.dir={tmp_path}/run"], cwd=tmp_path, timeout=120)
     assert res.returncode != 0
-    assert "REJECTED: pp with cp for qwen3_vl_moe not supported yet" in res.stdout
+    assert "REJECTED: parallel.pp_schedule=zero_bubble with train.activation_checkpoint=selective not supported" in res.stdout
 
 
 def test_dry_run_shows_tensor_parallel_memory(tmp_path):
