@@ -55,13 +55,17 @@ def test_tp_combinations_gradients_equal_one_process(model: str, layout: str, wo
 
 
 @pytest.mark.parametrize(("model", "layout", "world", "extra"), [
-    # tied: the embedding and head share one unevenly split tensor (rows 1024 + 1023)
-    ("qwen3_5", "tp2", 2, ["+model.overrides.tie_word_embeddings=true"]),
-    # VL: the embedding's output is all-reduced whole before the vision merge; FSDP over the uneven split
-    ("qwen3_vl_moe", "fsdp_tp2", 4, []),
+    # tied: the embedding and head share one unevenly split tensor (rows 1024 + 1023); MLP 51 + 50
+    ("qwen3_5", "tp2", 2, ["+model.overrides.tie_word_embeddings=true", "+model.overrides.intermediate_size=101"]),
+    # VL: the embedding's output is all-reduced whole before the vision merge; FSDP over the uneven
+    # split; the dense MLP of layer 2 (mlp_only_layers) split 51 + 50
+    ("qwen3_vl_moe", "fsdp_tp2", 4, ["+model.overrides.intermediate_size=101"]),
+    # the shared expert split 17 + 16 (the routed experts keep equal parts), MTP on
+    ("qwen3_5_moe", "tp2", 2, ["+model.overrides.shared_expert_intermediate_size=33", "model.mtp_loss_weight=0.3"]),
 ])
-def test_vocab_not_divisible_by_tp(model: str, layout: str, world: int, extra: list[str]) -> None:
-    """A vocabulary of 2047 over tp 2 (no padding): every gradient equals one process's."""
+def test_sizes_not_divisible_by_tp(model: str, layout: str, world: int, extra: list[str]) -> None:
+    """A vocabulary of 2047 and MLP widths that tp 2 does not divide, split as torch.chunk does (no
+    padding): every gradient equals one process's."""
     _compare(model, layout, world, ["+model.overrides.vocab_size=2047", *extra])
 
 

@@ -115,9 +115,9 @@ class ParallelDims:
         # No vocab check: the embedding and head split the vocabulary in torch.chunk's blocks (the first
         # ranks one row more when it does not divide), and the rank-local load, the masked lookup, the
         # sharded cross-entropy and checkpoints all go by each shard's own size.
-        need(geometry.get("intermediate_size", 0), tp, "MLP intermediate size", "tp")
+        # The dense MLP and the shared expert split an intermediate size that does not divide as
+        # torch.chunk does (tensor_parallel.mlp_plan); the routed experts' grouped GEMMs need equal parts.
         need(geometry.get("moe_intermediate_size", 0), tp, "expert intermediate size", "tp")
-        need(geometry.get("shared_expert_intermediate_size", 0), tp, "shared-expert intermediate size", "tp")
         need(geometry.get("num_experts", 0), self.ep, "experts", "ep")
         if self.ep > 1 and not geometry.get("num_experts", 0):
             problems.append(f"parallel.ep={self.ep} but the model has no experts")

@@ -253,11 +253,16 @@ def gated_deltanet_plan(prefix: str, *, sp: bool) -> dict[str, ParallelStyle]:
     return plan
 
 
-def mlp_plan(prefix: str, *, sp: bool, gather_input: bool = True) -> dict[str, ParallelStyle]:
-    """SwiGLU MLP: gate/up column-split, down row-split back to the residual stream's layout."""
+def mlp_plan(prefix: str, *, sp: bool, gather_input: bool = True, uneven: bool = False) -> dict[str, ParallelStyle]:
+    """SwiGLU MLP: gate/up column-split, down row-split back to the residual stream's layout.
+
+    ``uneven``: the intermediate size does not divide by tp (torch.chunk's split, the first ranks a
+    column more). gate/up then hand on DTensors, so down_proj sees the true global width; a plain
+    local tensor would be re-wrapped as tp equal pieces."""
+    local = {"use_local_output": not uneven}
     plan: dict[str, ParallelStyle] = {
-        f"{prefix}.gate_proj": ColwiseParallel(),
-        f"{prefix}.up_proj": ColwiseParallel(),
+        f"{prefix}.gate_proj": ColwiseParallel(**local),
+        f"{prefix}.up_proj": ColwiseParallel(**local),
         f"{prefix}.down_proj": RowwiseParallel(output_layouts=_stream(sp), use_local_output=not sp),
     }
     if gather_input:
@@ -265,7 +270,7 @@ def mlp_plan(prefix: str, *, sp: bool, gather_input: bool = True) -> dict[str, P
     return plan
 
 
-def moe_plan(prefix: str, *, sp: bool, shared_expert: bool) -> dict[str, ParallelStyle]:
+def moe_plan(prefix: str, *, sp: bool, shared_expert: bool, shared_uneven: bool = False) -> dict[str, ParallelStyle]:
     """SparseMoeBlock: a plain replicated region (router, combine, shared-expert gate) around
     tensor-parallel experts and a tensor-parallel shared expert."""
     plan: dict[str, ParallelStyle] = {f"{prefix}.experts": ExpertTensorParallel()}
@@ -278,7 +283,7 @@ def moe_plan(prefix: str, *, sp: bool, shared_expert: bool) -> dict[str, Paralle
         shared = f"{prefix}.shared_expert"
         plan[shared] = PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),),
                                           use_local_output=False)
-        plan.update(mlp_plan(shared, sp=False, gather_input=False))
+        plan.update(mlp_plan(shared, sp=False, gather_input=False, uneven=shared_uneven))
     return plan
 
 
@@ -300,9 +305,11 @@ def decoder_layer_plan(prefix: str, layer: nn.Module, *, tp: int, sp: bool, repl
         elif isinstance(child, GatedDeltaNet):
             plan.update(gated_deltanet_plan(path, sp=sp))
         elif isinstance(child, SparseMoeBlock):
-            plan.update(moe_plan(path, sp=sp, shared_expert=child.shared_expert is not None))
+            shared = child.shared_expert
+            plan.update(moe_plan(path, sp=sp, shared_expert=shared is not None,
+                                 shared_uneven=shared is not None and shared.gate_proj.out_features % tp != 0))
         elif isinstance(child, SwiGLUMLP):
-            plan.update(mlp_plan(path, sp=sp))
+            plan.update(mlp_plan(path, sp=sp, uneven=child.gate_proj.out_features % tp != 0))
         elif isinstance(child, RMSNorm):
             plan.update(norm_plan([path], sp=sp))
         elif any(True for _ in child.parameters()):
