@@ -112,11 +112,10 @@ class ParallelDims:
         if self.vision_tp:
             need(geometry.get("vision_num_heads", 0), tp, "vision heads", "tp (parallel.vision_tp)")
             need(geometry.get("vision_intermediate_size", 0), tp, "vision MLP intermediate size", "tp (parallel.vision_tp)")
-        # No vocab check: the embedding and head split the vocabulary in torch.chunk's blocks (the first
-        # ranks one row more when it does not divide), and the rank-local load, the masked lookup, the
-        # sharded cross-entropy and checkpoints all go by each shard's own size.
-        # The dense MLP and the shared expert split an intermediate size that does not divide as
-        # torch.chunk does (tensor_parallel.mlp_plan); the routed experts' grouped GEMMs need equal parts.
+        # No check of the vocabulary, the dense MLP or the shared expert: they split a size tp does not
+        # divide as torch.chunk does (the first ranks one row more), and the rank-local load, the lookup,
+        # the sharded cross-entropy, checkpoints and tensor_parallel.mlp_plan go by each shard's own
+        # size. The routed experts' grouped GEMMs need equal parts.
         need(geometry.get("moe_intermediate_size", 0), tp, "expert intermediate size", "tp")
         need(geometry.get("num_experts", 0), self.ep, "experts", "ep")
         if self.ep > 1 and not geometry.get("num_experts", 0):

@@ -270,7 +270,12 @@ def mlp_plan(prefix: str, *, sp: bool, gather_input: bool = True, uneven: bool =
     return plan
 
 
-def moe_plan(prefix: str, *, sp: bool, shared_expert: bool, shared_uneven: bool = False) -> dict[str, ParallelStyle]:
+def _uneven(mlp: nn.Module, tp: int) -> bool:
+    """A SwiGLU MLP whose intermediate width tp does not divide (``mlp_plan``'s ``uneven``)."""
+    return mlp.gate_proj.out_features % tp != 0
+
+
+def moe_plan(prefix: str, *, sp: bool, shared_expert: nn.Module | None, tp: int) -> dict[str, ParallelStyle]:
     """SparseMoeBlock: a plain replicated region (router, combine, shared-expert gate) around
     tensor-parallel experts and a tensor-parallel shared expert."""
     plan: dict[str, ParallelStyle] = {f"{prefix}.experts": ExpertTensorParallel()}
@@ -279,11 +284,11 @@ def moe_plan(prefix: str, *, sp: bool, shared_expert: bool, shared_uneven: bool 
                                           use_local_output=True)
         plan[prefix + "#out"] = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1),
                                                     use_local_output=False)
-    if shared_expert:
+    if shared_expert is not None:
         shared = f"{prefix}.shared_expert"
         plan[shared] = PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),),
                                           use_local_output=False)
-        plan.update(mlp_plan(shared, sp=False, gather_input=False, uneven=shared_uneven))
+        plan.update(mlp_plan(shared, sp=False, gather_input=False, uneven=_uneven(shared_expert, tp)))
     return plan
 
 
@@ -305,11 +310,9 @@ def decoder_layer_plan(prefix: str, layer: nn.Module, *, tp: int, sp: bool, repl
         elif isinstance(child, GatedDeltaNet):
             plan.update(gated_deltanet_plan(path, sp=sp))
         elif isinstance(child, SparseMoeBlock):
-            shared = child.shared_expert
-            plan.update(moe_plan(path, sp=sp, shared_expert=shared is not None,
-                                 shared_uneven=shared is not None and shared.gate_proj.out_features % tp != 0))
+            plan.update(moe_plan(path, sp=sp, shared_expert=child.shared_expert, tp=tp))
         elif isinstance(child, SwiGLUMLP):
-            plan.update(mlp_plan(path, sp=sp, uneven=child.gate_proj.out_features % tp != 0))
+            plan.update(mlp_plan(path, sp=sp, uneven=_uneven(child, tp)))
         elif isinstance(child, RMSNorm):
             plan.update(norm_plan([path], sp=sp))
         elif any(True for _ in child.parameters()):
