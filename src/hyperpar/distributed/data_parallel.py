@@ -35,7 +35,7 @@ def apply_ac_and_dp(
         apply_activation_checkpoint(group, train_cfg.activation_checkpoint)
     if train_cfg.compile:
         check_compile(parallel_dims, train_cfg)
-        n = compile_blocks(layers.values())  # the text decoder's blocks (vision blocks stay eager)
+        n = compile_blocks(layers.values(), tp=parallel_dims.tp > 1)  # the text decoder's blocks (vision blocks stay eager)
         log.info("train.compile: %d decoder blocks compiled (attention core and MoE block eager, "
                  "the chunked delta rule a graph of its own)", n)
     mp = train_cfg.mixed_precision
