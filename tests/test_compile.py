@@ -1,6 +1,7 @@
 """train.compile: fsdp2 with compiled decoder blocks (and full activation checkpointing), context,
 expert and pipeline parallel with compiled blocks train like the eager single process, loss, aux loss
-and gradient norm per step within 1e-5; layouts it is not built for are refused by the plan."""
+and gradient norm per step within 1e-5; compiled tensor-parallel blocks give every parameter the
+gradient of one eager process; layouts it is not built for are refused by the plan."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import re
 import pytest
 
 from helpers import cli_metrics, cli_metrics_shared, cli_small, one_error_line, strict_steps
+from layout_grads import layout_grads, max_rel_grad_diff
 
 # MoE: compiled kernels round differently; held per step up to a near-tied token's route (strict_steps)
 ROUTES = ["metrics.route_counts=true"]
@@ -39,7 +41,8 @@ def test_compiled_fsdp2_with_ac_matches_eager_single(tmp_path):
     pytest.param(["model=qwen3_5_moe"], "pp2_vpp2", marks=pytest.mark.full),
     pytest.param(["model=qwen3_5_moe"], "fsdp2_cp2_ep2", marks=pytest.mark.full),
     pytest.param(["model=qwen3_vl_moe"], "cp2", marks=pytest.mark.full),
-], ids=["dense_cp2_packed", "moe_ep2_pp2", "moe_pp2_vpp2", "moe_fsdp2_cp2_ep2", "vl_moe_cp2"])
+    pytest.param(["model=qwen3_vl_moe"], "fsdp_tp2", marks=pytest.mark.full),
+], ids=["dense_cp2_packed", "moe_ep2_pp2", "moe_pp2_vpp2", "moe_fsdp2_cp2_ep2", "vl_moe_cp2", "vl_moe_fsdp_tp2"])
 def test_compiled_model_parallel_layouts_match_eager_single(tmp_path, base, layout):
     base = [*base, "train.seq_len=64", *(ROUTES if "moe" in base[0] else [])]
     eager = cli_metrics_shared(tmp_path / "eager", [*base, "parallel=single"], steps=4)
@@ -58,8 +61,25 @@ def test_compiled_model_parallel_layouts_match_eager_single(tmp_path, base, layo
     assert eager[1]["loss"] != eager[4]["loss"]
 
 
+@pytest.mark.slow
+def test_compiled_tensor_parallel_gradients_equal_one_process(tmp_path, monkeypatch):
+    """Compiled tp2 blocks, with and without SP: every parameter's gradient equals eager single's.
+    The first block's input arrives from the embedding's asynchronous collective (its gradient went
+    wrong when the wait was traced into the block), and tp2 runs twice over one fresh compile cache,
+    so the second run loads what the first stored (a rank loaded another rank's compiled backward)."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    base = ["model=qwen3_5", "train.seq_len=32", "train.global_batch_size=4", "train.micro_batch_size=1"]
+    ref = layout_grads(["parallel=single", *base], 1)
+    for run, extra in enumerate([[], [], ["parallel.sequence_parallel=false"]]):
+        got = layout_grads(["parallel=tp2", "train.compile=true", *base, *extra], 2)
+        diff, where = max_rel_grad_diff(ref, got)
+        print(f"run {run} {extra}: grad norm {ref['grad_norm']:.7f} vs {got['grad_norm']:.7f}, max rel {diff:.2e} ({where})")
+        assert abs(ref["loss"] - got["loss"]) <= 1e-5, run
+        assert abs(ref["grad_norm"] - got["grad_norm"]) <= 1e-5 * max(1.0, ref["grad_norm"]), run
+        assert diff <= 1e-5, (run, where)
+
+
 @pytest.mark.parametrize(("extra", "message"), [
-    (["parallel=tp2"], "train.compile with tp not supported yet"),
     (["parallel=pp2_zb"], "train.compile with pp_schedule=zero_bubble not supported"),
     (["train.activation_checkpoint=selective"], "train.compile with activation_checkpoint=selective not supported"),
 ])
