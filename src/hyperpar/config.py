@@ -40,7 +40,7 @@ class TrainConfig:
     max_grad_norm: float = 1.0  # <= 0 disables clipping
     mixed_precision: MixedPrecisionConfig = field(default_factory=MixedPrecisionConfig)
     activation_checkpoint: str = "none"  # none | full | selective
-    compile: bool = False  # torch.compile per decoder block (kernels eager); not with tp or zero-bubble pp
+    compile: bool = False  # torch.compile per decoder block (kernels eager); not with zero-bubble pp or selective AC
     loss_parallel: Optional[bool] = None  # vocab-sharded cross-entropy under tp; None: on when tp > 1
     # fp32 head (plain weight, no pp): its matmul runs inside the cross-entropy, in row chunks, so the
     # (tokens x vocab) logits and their gradient are never whole; 16-bit, tp and pp heads keep logits
