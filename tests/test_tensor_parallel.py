@@ -60,8 +60,11 @@ def test_tp_combinations_gradients_equal_one_process(model: str, layout: str, wo
     # VL: the embedding's output is all-reduced whole before the vision merge; FSDP over the uneven
     # split; the dense MLP of layer 2 (mlp_only_layers) split 51 + 50
     ("qwen3_vl_moe", "fsdp_tp2", 4, ["+model.overrides.intermediate_size=101"]),
-    # the shared expert split 17 + 16 (the routed experts keep equal parts), MTP on
-    ("qwen3_5_moe", "tp2", 2, ["+model.overrides.shared_expert_intermediate_size=33", "model.mtp_loss_weight=0.3"]),
+    # the shared expert and every routed expert split 17 + 16 (grouped GEMMs on shards of their own), MTP on
+    ("qwen3_5_moe", "tp2", 2, ["+model.overrides.shared_expert_intermediate_size=33",
+                               "+model.overrides.moe_intermediate_size=33", "model.mtp_loss_weight=0.3"]),
+    # routed experts 17 + 16 over tp inside each ep group, FSDP over both
+    pytest.param("qwen3_5_moe", "fsdp2_tp2_ep2", 4, ["+model.overrides.moe_intermediate_size=33"], marks=pytest.mark.full),
 ])
 def test_sizes_not_divisible_by_tp(model: str, layout: str, world: int, extra: list[str]) -> None:
     """A vocabulary of 2047 and MLP widths that tp 2 does not divide, split as torch.chunk does (no
@@ -103,6 +106,26 @@ def test_hf_checkpoint_loads_rank_locally_and_trains_under_tp2(tmp_path: Path) -
     assert abs(ref["loss"] - got["loss"]) <= 1e-5 and diff <= 1e-5, where
     assert read == local  # every byte read is a byte kept: no full tensor of a sharded parameter
     assert peak <= 0.6 * full
+
+
+def test_moe_hf_checkpoint_with_uneven_experts_loads_rank_locally_under_tp2(tmp_path: Path) -> None:
+    """A Qwen3.5-MoE checkpoint whose expert width tp 2 does not divide (33: 17 + 16 of each fused
+    gate_up half and of down_proj, read as boxes of the fused tensors): same gradients as one process
+    from the same weights, every byte read kept."""
+    from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+
+    from fixtures import qwen3_5_moe
+
+    torch.manual_seed(0)
+    ckpt = tmp_path / "ckpt"
+    Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**qwen3_5_moe(moe_intermediate_size=33))).save_pretrained(str(ckpt))
+    base = ["model=qwen3_5_moe", f"model.hf_path={ckpt}", *STEP]
+    ref = layout_grads(["parallel=single", *base], 1)
+    got = layout_grads(["parallel=tp2", *base], 2)
+    diff, where = max_rel_grad_diff(ref, got)
+    print(f"uneven experts from HF under tp2: loss {ref['loss']:.6f} vs {got['loss']:.6f}, max rel grad diff {diff:.2e}")
+    assert abs(ref["loss"] - got["loss"]) <= 1e-5 and diff <= 1e-5, where
+    assert got["load"]["read_bytes"] == got["load"]["local_param_bytes"]
 
 
 def _cli(run_dir: Path, args: list[str], timeout: float = 900) -> subprocess.CompletedProcess:

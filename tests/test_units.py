@@ -46,7 +46,11 @@ def test_model_divisibility_checks():
     assert ParallelDims(world_size=4, dp_shard=1, tp=4, sequence_parallel=False).seq_multiple == 1
     assert ParallelDims(world_size=8, dp_shard=1, tp=2, cp=4).seq_multiple == 8
     assert ParallelDims(world_size=8, dp_shard=2, tp=2, cp=2, sequence_parallel=False).seq_multiple == 2
-    p.check_model({"vocab_size": 1001}, global_batch_size=8, micro_batch_size=1)  # split unevenly, no padding
+    # split unevenly (torch.chunk), no padding: vocabulary, MLP, shared and routed expert widths
+    p.check_model({"vocab_size": 1001, "intermediate_size": 101, "shared_expert_intermediate_size": 33,
+                   "moe_intermediate_size": 33, "num_experts": 4}, global_batch_size=8, micro_batch_size=1)
+    with pytest.raises(PlanError, match="expert intermediate size 5 leaves a rank of tp 4 an empty shard"):
+        p.check_model({"moe_intermediate_size": 5}, global_batch_size=8, micro_batch_size=1)
     p = ParallelDims(world_size=2, dp_shard=2)
     with pytest.raises(PlanError, match="global_batch_size 6"):
         p.check_model({}, global_batch_size=6, micro_batch_size=2)
