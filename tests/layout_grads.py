@@ -123,17 +123,23 @@ def max_rel_grad_diff(a: dict, b: dict) -> tuple[float, str]:
     return worst, where
 
 
+def assert_same_step(ref: dict, got: dict, label: str, tol: float = 1e-5) -> None:
+    """Two ``layout_grads`` results: loss, grad norm and every parameter's gradient within ``tol``
+    (relative to max(1, |value|)); prints the figures under ``label``."""
+    diff, where = max_rel_grad_diff(ref, got)
+    print(f"{label}: loss {ref['loss']:.7f} vs {got['loss']:.7f}, grad norm {ref['grad_norm']:.6f} "
+          f"vs {got['grad_norm']:.6f}, max rel grad diff {diff:.2e} ({where})")
+    assert abs(ref["loss"] - got["loss"]) <= tol, label
+    assert abs(ref["grad_norm"] - got["grad_norm"]) <= tol * max(1.0, ref["grad_norm"]), label
+    assert diff <= tol, (label, where)
+
+
 def assert_layout_matches_single(base: list[str], layout: str, world: int, tol: float = 1e-5) -> None:
-    """One step under ``parallel=layout`` (``world`` processes) vs ``parallel=single``: loss, grad norm
-    and every parameter's gradient within ``tol`` (relative to max(1, |value|))."""
+    """One step under ``parallel=layout`` (``world`` processes) vs ``parallel=single``: see
+    ``assert_same_step``."""
     ref = layout_grads(["parallel=single", *base], 1)
     got = layout_grads([f"parallel={layout}", *base], world)
-    diff, where = max_rel_grad_diff(ref, got)
-    print(f"{' '.join(base)} {layout}: loss {ref['loss']:.7f} vs {got['loss']:.7f}, grad norm {ref['grad_norm']:.6f} "
-          f"vs {got['grad_norm']:.6f}, max rel grad diff {diff:.2e} ({where})")
-    assert abs(ref["loss"] - got["loss"]) <= tol
-    assert abs(ref["grad_norm"] - got["grad_norm"]) <= tol * max(1.0, ref["grad_norm"])
-    assert diff <= tol, where
+    assert_same_step(ref, got, f"{' '.join(base)} {layout}", tol)
 
 
 if __name__ == "__main__":  # python tests/layout_grads.py WORLD override...

@@ -113,8 +113,8 @@ class ParallelDims:
             need(geometry.get("vision_num_heads", 0), tp, "vision heads", "tp (parallel.vision_tp)")
             need(geometry.get("vision_intermediate_size", 0), tp, "vision MLP intermediate size", "tp (parallel.vision_tp)")
         # No check of the vocabulary, the dense MLP, the shared expert or the routed experts: they split
-        # a size tp does not divide as torch.chunk does (the first ranks one row more), and the
-        # rank-local load, the lookup, the sharded cross-entropy, checkpoints, tensor_parallel.mlp_plan
+        # a size tp does not divide as torch.chunk does (ceil(n / tp) a rank, the last ranks fewer), and
+        # the rank-local load, the lookup, the sharded cross-entropy, checkpoints, tensor_parallel.mlp_plan
         # and the experts' grouped GEMMs (each rank on its own shard) go by each shard's own size.
         # A size so small that torch.chunk's split leaves a rank nothing (5 over tp 4: 2 + 2 + 1 + 0)
         # is refused: the kernels have no empty-shard path.
@@ -122,9 +122,10 @@ class ParallelDims:
                           ("shared_expert_intermediate_size", "shared-expert intermediate size"),
                           ("moe_intermediate_size", "expert intermediate size")):
             n = geometry.get(key, 0)
-            if n and tp > 1 and -(-n // tp) * (tp - 1) >= n:
+            per_rank = -(-n // tp)
+            if n and tp > 1 and per_rank * (tp - 1) >= n:
                 problems.append(f"{what} {n} leaves a rank of tp {tp} an empty shard (torch.chunk's split: "
-                                f"{-(-n // tp)} a rank)")
+                                f"{per_rank} a rank)")
         need(geometry.get("num_experts", 0), self.ep, "experts", "ep")
         if self.ep > 1 and not geometry.get("num_experts", 0):
             problems.append(f"parallel.ep={self.ep} but the model has no experts")
