@@ -8,7 +8,7 @@ import torch
 from helpers import run_cli
 
 CASES = [
-    (["parallel.tpp=2"], "Key 'tpp' not in 'ParallelConfig'"),
+    (["parallel.tpp=2"], "Key 'tpp' not in 'ParallelConfig' (hint: did you mean parallel.tp?)"),
     (["+parallel.tpp=2"], "Key 'tpp' not in 'ParallelConfig'"),
     (["train.steps=abc"], "could not be converted to Integer"),
     (["parallel=fsdp3"], "Could not find 'parallel/fsdp3' (available:"),
@@ -34,6 +34,42 @@ def test_bad_input_is_one_line(tmp_path, args, expected):
     assert "error:" in lines[0] and expected in lines[0], lines[0]
     assert "Traceback" not in res.stderr
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+HINTS = [
+    # a typo of a schema key, of a data type's extra key
+    (["train.stepz=3"], "train.stepz", "did you mean train.steps?"),
+    (["data=megatron", "data.extra.eod_mask_los=true"], "data.extra.eod_mask_los", "did you mean data.extra.eod_mask_loss?"),
+    # a key the data type reads that its YAML does not list; data=auto resolved through the model
+    (["model=qwen3_5", "data.extra.noise=0.1"], "data.extra.noise",
+     "data.type=dummy reads it but its config does not set it: write ++data.extra.noise=..."),
+    (["model=qwen3_vl_moe", "data.extra.video_fraction=0.5"], "data.extra.video_fraction",
+     "data.type=vl_dummy reads it"),
+    # a key another data type reads
+    (["data=megatron", "data.extra.video_fraction=0.5"], "data.extra.video_fraction",
+     "'video_fraction' is read by data=vl_dummy, not by data.type=megatron"),
+    (["data=json", "data.extra.xyz=1"], "data.extra.xyz", "data.type=json reads the extra keys: add_eos"),
+    # a new key of a free-form mapping; a top-level key nothing has
+    (["model.overrides.vocab_size=100"], "model.overrides.vocab_size", "write ++model.overrides.vocab_size=..."),
+    (["foo=1"], "foo", "the config has: model, parallel, data"),
+]
+
+
+@pytest.mark.parametrize("overrides,key,hint", HINTS, ids=[" ".join(o) for o, _, _ in HINTS])
+def test_unknown_key_hint(overrides, key, hint):
+    from hyperpar.config_hints import unknown_key_hint
+
+    got = unknown_key_hint(f"Could not override '{key}'. Key '{key.rsplit('.', 1)[-1]}' is not in struct", overrides)
+    assert got is not None and hint in got, got
+
+
+def test_unknown_key_hint_leaves_other_errors_alone():
+    from hyperpar.config_hints import unknown_key_hint
+
+    assert unknown_key_hint("Could not find 'parallel/fsdp3'", ["parallel=fsdp3"]) is None
+    # the other overrides have a mistake of their own: no guess
+    assert unknown_key_hint("Could not override 'train.stepz'. Key 'stepz' is not in struct",
+                            ["train.stepz=3", "parallel=nope"]) is None
 
 
 def test_hf_path_without_config_json(tmp_path):

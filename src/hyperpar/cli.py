@@ -211,9 +211,15 @@ def preflight(argv: list[str]) -> None:
             with initialize_config_module(config_module="hyperpar.conf", version_base="1.3"):
                 cfg = compose(config_name="config", overrides=[o for o in first if not o.startswith(("hydra.", "hydra/"))])
         except Exception as e:  # noqa: BLE001 - every compose failure is a config mistake of the user
-            raise ConfigError(_compose_message(e)) from None
+            message = _compose_message(e)
+        else:
+            message = None
         finally:
             GlobalHydra.instance().clear()
+        if message is not None:
+            from hyperpar.config_hints import unknown_key_hint
+
+            raise ConfigError(message, hint=unknown_key_hint(message, [o for o in first if not o.startswith(("hydra.", "hydra/"))]))
         cfg = check_values(validate_schema(cfg))
         run_dir = None if multirun else _explicit_run_dir(overrides)
         if run_dir is not None:
