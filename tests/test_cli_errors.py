@@ -121,6 +121,29 @@ def test_dry_run_of_heads_tp_cannot_split_is_a_verdict_not_a_traceback(tmp_path)
         make_plan(cfg, strict=True)
 
 
+@pytest.mark.parametrize(("layout", "extra", "root"), [
+    # debug qwen3_5: embedding and head 2048 x 128 each, final norm 128
+    (["parallel=fsdp2"], [], 2 * 2048 * 128 + 128),
+    (["parallel=fsdp_tp2"], [], 2 * 1024 * 128 + 128),  # both vocabulary-split over tp, the norm whole
+    (["parallel=fsdp2_pp2"], [], 2048 * 128 + 128),  # the embedding on the first stage, head and norm on the last
+    (["parallel=tp2_pp2"], ["+model.overrides.tie_word_embeddings=true"], 1024 * 128 + 128),
+    (["parallel=single"], ["+model.overrides.tie_word_embeddings=true"], 2048 * 128 + 128),  # one tensor
+])
+def test_dry_run_counts_the_root_unit_per_rank(tmp_path, layout, extra, root):
+    """The shared-memory file and the gathered memory are sized by the largest FSDP unit, the root here:
+    it was counted whole, neither split over tp nor over pipeline stages (a 27B plan with tp 8 x pp 4
+    said 48 GB of /dev/shm for what is 3 GB)."""
+    from omegaconf import OmegaConf
+
+    from helpers import compose_cfg
+    from hyperpar.plan import make_plan
+
+    cfg = OmegaConf.merge(compose_cfg(["device=cpu", *layout, *extra]), {"run_dir": str(tmp_path)})
+    plan = make_plan(cfg, strict=False)
+    assert plan.ok, plan.problems
+    assert plan.root_unit_params == root
+
+
 def test_dry_run_rejects_a_device_the_run_would_refuse(tmp_path):
     """dry_run=true said 'OK: the plan is valid' for device=xyz (and device=cuda on a host without CUDA),
     which the run itself refuses before its first step."""

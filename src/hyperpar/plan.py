@@ -36,6 +36,7 @@ class Plan:
     row_padding: str = ""  # seq_len padded to the sequence split (cp, tp under SP)
     compile: bool = False
     units_kept: bool = False  # FSDP units stay gathered from forward to backward (every unit counted)
+    root_unit_params: float = 0.0  # per rank: embeddings, head, final norm (what no block holds)
     collectives: str = ""  # CPU ranks: how FSDP's collectives travel (launch.cpu_collectives)
 
     @property
@@ -60,7 +61,7 @@ class Plan:
             *(["compile     torch.compile per decoder block (attention core, delta rule, MoE block eager)"]
               if self.compile else []),
             f"memory/rank params {self.mem_params_mb:.1f} MB + grads {self.mem_grads_mb:.1f} MB + optimizer {self.mem_optim_mb:.1f} MB"
-            f" + {'gathered units, kept to backward' if self.units_kept else 'gathered block'} {self.mem_gathered_mb:.1f} MB"
+            f" + {'gathered units, kept to backward' if self.units_kept else 'gathered blocks and root'} {self.mem_gathered_mb:.1f} MB"
             f" = {total_mem:.1f} MB (activations not included)",
             f"batch       grad accumulation {self.grad_accum} micro-batches per step",
         ]
@@ -81,6 +82,32 @@ def _block_sizes(model: nn.Module, tp_split: set[str] = frozenset(), tp: int = 1
             children = module.values() if isinstance(module, nn.ModuleDict) else module
             for block in children:
                 yield sum(p.numel() / (tp if names.get(id(p)) in tp_split else 1) for p in block.parameters())
+
+
+def _root_unit_size(model: nn.Module, tp_split: set[str], tp: int, pp: int, shared_embedding: bool) -> float:
+    """Parameter count per rank of the root FSDP unit (what no block holds: embeddings, the vision
+    tower's patch embedding and merger, final norm, head), its tensor-parallel split parameters at the
+    tp rank's part. Under pp the first stage's root holds the embeddings and the vision tower's, the
+    last the rest (and the embedding too where ``shared_embedding``): the larger of the two."""
+    in_blocks: set[int] = set()
+    for module in model.modules():
+        if isinstance(module, (nn.ModuleDict, nn.ModuleList)):
+            for block in module.values() if isinstance(module, nn.ModuleDict) else module:
+                in_blocks.update(id(p) for p in block.parameters())
+    first = last = 0.0
+    for name, p in model.named_parameters():
+        if id(p) in in_blocks:
+            continue
+        size = p.numel() / (tp if name in tp_split else 1)
+        if "embed_tokens" in name or ".visual." in f".{name}":
+            first += size
+            last += size if shared_embedding and "embed_tokens" in name else 0.0
+        else:
+            last += size
+    if pp == 1:
+        return first + last - (sum(p.numel() / (tp if n in tp_split else 1) for n, p in model.named_parameters()
+                                   if "embed_tokens" in n and id(p) not in in_blocks) if shared_embedding else 0.0)
+    return max(first, last)
 
 
 def check_data(data_cfg: DictConfig, default_type: str) -> None:
@@ -209,13 +236,17 @@ def make_plan(cfg: DictConfig, *, strict: bool = True) -> Plan:
     compute = dtype_of(t.mixed_precision.param_dtype).itemsize
     mb = 2**20
     # The largest FSDP unit: a block, or the root (embeddings, head, norms: what no block holds).
-    whole_blocks = blocks if pdims.tp == 1 else list(_block_sizes(meta))  # counted before the tp split
-    unit = max(largest, total - sum(whole_blocks))
+    from hyperpar.distributed.pipeline import shares_embedding
+
+    shared = pdims.pp > 1 and shares_embedding(builder.args)
+    # The root stays gathered for the whole step (fsdp.apply_fsdp: reshard_after_forward=False).
+    root = _root_unit_size(meta, split_names, pdims.tp, pdims.pp, shared)
+    unit = max(largest, root)
     reduce = dtype_of(t.mixed_precision.reduce_dtype).itemsize
     return Plan(
         pdims=pdims, model_desc=builder.describe(), total_params=total, largest_block_params=largest,
-        params_per_rank=per_rank, tp_split_params=tp_split, tp_setup=_tp_setup(pdims, t), mem_params_mb=per_rank * master / mb, mem_grads_mb=per_rank * master / mb,
-        mem_optim_mb=2 * per_rank * master / mb, mem_gathered_mb=(sum(blocks) / pdims.pp if kept else 2 * largest) * compute / mb, units_kept=kept,
+        params_per_rank=per_rank, root_unit_params=root, tp_split_params=tp_split, tp_setup=_tp_setup(pdims, t), mem_params_mb=per_rank * master / mb, mem_grads_mb=per_rank * master / mb,
+        mem_optim_mb=2 * per_rank * master / mb, mem_gathered_mb=((sum(blocks) / pdims.pp if kept else 2 * largest) + root) * compute / mb, units_kept=kept,
         grad_accum=pdims.grad_accum_steps(t.global_batch_size, t.micro_batch_size), problems=problems,
         pp_setup=pp_job[0].describe() if pp_job and pp_job[0] else "",
         row_padding=_row_padding(pdims, t.seq_len), compile=bool(t.compile),
