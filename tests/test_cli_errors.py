@@ -144,6 +144,21 @@ def test_dry_run_counts_the_root_unit_per_rank(tmp_path, layout, extra, root):
     assert plan.root_unit_params == root
 
 
+def test_dry_run_gathers_a_ranks_share_of_the_routed_experts_under_ep(tmp_path):
+    """Under ep each rank gathers its own 1 / ep of a block's routed experts (debug MoE: 8 experts of
+    3 x 128 x 96 per layer), not all of them."""
+    from omegaconf import OmegaConf
+
+    from helpers import compose_cfg
+    from hyperpar.plan import make_plan
+
+    def largest(layout: str) -> float:
+        cfg = OmegaConf.merge(compose_cfg(["device=cpu", "model=qwen3_5_moe", f"parallel={layout}"]), {"run_dir": str(tmp_path)})
+        return make_plan(cfg, strict=False).largest_block_params
+
+    assert largest("fsdp2") - largest("ep2") == 8 * 3 * 128 * 96 / 2
+
+
 def test_dry_run_rejects_a_device_the_run_would_refuse(tmp_path):
     """dry_run=true said 'OK: the plan is valid' for device=xyz (and device=cuda on a host without CUDA),
     which the run itself refuses before its first step."""

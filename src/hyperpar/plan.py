@@ -72,16 +72,22 @@ class Plan:
         return "\n".join(lines)
 
 
-def _block_sizes(model: nn.Module, tp_split: set[str] = frozenset(), tp: int = 1):
+def _block_sizes(model: nn.Module, tp_split: set[str] = frozenset(), tp: int = 1, ep: int = 1):
     """Parameter counts per rank of every block in an indexable container (text layers, vision blocks,
     MTP layers): those are the FSDP units, and the largest one is all-gathered at a time (its
-    tensor-parallel split parameters gathered to the tp rank's part only)."""
+    tensor-parallel split parameters gathered to the tp rank's part only; under ep the routed
+    experts, a unit of their own gathered with their block, to the rank's 1 / ep of them)."""
     names = {id(p): n for n, p in model.named_parameters()}
+
+    def size(p: nn.Parameter) -> float:
+        name = names.get(id(p), "")
+        return p.numel() / (tp if name in tp_split else 1) / (ep if ".mlp.experts." in name else 1)
+
     for module in model.modules():
         if isinstance(module, (nn.ModuleDict, nn.ModuleList)):
             children = module.values() if isinstance(module, nn.ModuleDict) else module
             for block in children:
-                yield sum(p.numel() / (tp if names.get(id(p)) in tp_split else 1) for p in block.parameters())
+                yield sum(size(p) for p in block.parameters())
 
 
 def _root_unit_size(model: nn.Module, tp_split: set[str], tp: int, pp: int, shared_embedding: bool) -> float:
@@ -226,7 +232,7 @@ def make_plan(cfg: DictConfig, *, strict: bool = True) -> Plan:
         if not problems:  # else the degree checks above said it in their words
             problems.append(str(e))
         split_names = set()
-    blocks = list(_block_sizes(meta, split_names, pdims.tp))
+    blocks = list(_block_sizes(meta, split_names, pdims.tp, pdims.ep))
     largest = max(blocks, default=0)
     kept = pdims.fsdp_units_kept  # then a stage's units are all gathered at once
     tp_split = sum(p.numel() for n, p in meta.named_parameters() if n in split_names)
