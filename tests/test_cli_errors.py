@@ -159,6 +159,19 @@ def test_dry_run_gathers_a_ranks_share_of_the_routed_experts_under_ep(tmp_path):
     assert largest("fsdp2") - largest("ep2") == 8 * 3 * 128 * 96 / 2
 
 
+@pytest.mark.parametrize(("overrides", "name"), [
+    (["parallel=single", "parallel.world_size=4", "parallel.dp_shard=4"], "single[world_size=4,dp_shard=4]"),
+    (["parallel=fsdp_tp2", "parallel.world_size=8", "parallel.tp=4"], "fsdp_tp2[world_size=8,tp=4]"),
+    (["parallel=fsdp_tp2", "parallel.sequence_parallel=false"], "fsdp_tp2"),  # the same degrees
+    (["parallel=fsdp2", "parallel.name=mine", "parallel.world_size=4", "parallel.dp_shard=4"], "mine"),  # the user's name
+])
+def test_a_packaged_layout_with_changed_degrees_is_named_for_them(overrides, name):
+    from helpers import compose_cfg
+    from hyperpar.config import name_layout
+
+    assert name_layout(compose_cfg(overrides)).parallel.name == name
+
+
 def test_dry_run_rejects_a_device_the_run_would_refuse(tmp_path):
     """dry_run=true said 'OK: the plan is valid' for device=xyz (and device=cuda on a host without CUDA),
     which the run itself refuses before its first step."""

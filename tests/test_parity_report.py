@@ -173,6 +173,17 @@ def test_baseline_defaults_to_single_process_job_and_can_be_named(tmp_path: Path
     assert named.baseline_name == "0" and row(named, "single").verdict == "FAIL"
 
 
+def test_a_multi_process_job_named_single_is_not_the_baseline(tmp_path: Path) -> None:
+    """The baseline is the job that ran one process, by its recorded world size, not by its name."""
+    fake = make_run(tmp_path, 0, "single", with_offset(2, 1.0))
+    result = json.loads((fake / "result.json").read_text())
+    (fake / "result.json").write_text(json.dumps({**result, "world_size": 2}))
+    make_run(tmp_path, 1, "fsdp2")
+    make_run(tmp_path, 2, "single")
+    got = compare(tmp_path)
+    assert got.baseline_name == "2", got.baseline_name
+
+
 def run_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": str(SRC)}
     return subprocess.run([sys.executable, "-m", "hyperpar.parity", *args], cwd=cwd, env=env,

@@ -15,7 +15,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from hyperpar.config import check_values, register_configs, validate_schema
+from hyperpar.config import check_values, name_layout, register_configs, validate_schema
 from hyperpar.errors import ConfigError, HyperparError
 
 CONFIG_PATH = "pkg://hyperpar.conf"
@@ -100,7 +100,7 @@ def _task(cfg: DictConfig) -> float | None:
     except HyperparError as e:
         _error(e)
     try:
-        cfg = check_values(validate_schema(cfg), warn=False)  # the driver's preflight warned already
+        cfg = name_layout(check_values(validate_schema(cfg), warn=False))  # the driver's preflight warned already
         with_dir = OmegaConf.merge(cfg, {"run_dir": run_dir})
         start_workers_early(cfg)
         plan = make_plan(with_dir, strict=not cfg.dry_run)

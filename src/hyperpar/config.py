@@ -235,6 +235,32 @@ def register_configs() -> None:
         cs.store(group=f"schema/{group}", name="base", node=node)
 
 
+_DEGREES = ("world_size", "dp_replicate", "dp_shard", "tp", "cp", "ep", "pp", "vpp")
+
+
+def name_layout(cfg: DictConfig) -> DictConfig:
+    """``parallel.name`` as the run records it (result.json, checkpoints, parity reports): a packaged
+    layout whose degrees the command line changed (``parallel=single parallel.world_size=4
+    parallel.dp_shard=4``) is no longer that layout, so its name gets the changes appended
+    (``single[world_size=4,dp_shard=4]``): the parity report would otherwise take a 4-rank job named
+    'single' for a one-process baseline, and two jobs of one sweep would share a column. Names that
+    are not a packaged layout are the user's and stay. Returns ``cfg``."""
+    from importlib import resources
+
+    name = str(cfg.parallel.name)
+    try:
+        text = (resources.files("hyperpar.conf") / "parallel" / f"{name}.yaml").read_text()
+    except (FileNotFoundError, OSError):
+        return cfg
+    packaged = OmegaConf.create(text)
+    base = OmegaConf.structured(ParallelConfig)
+    changed = [f"{k}={cfg.parallel[k]}" for k in _DEGREES
+               if cfg.parallel[k] != packaged.get(k, base[k])]
+    if changed:
+        cfg.parallel.name = f"{name}[{','.join(changed)}]"
+    return cfg
+
+
 def validate_schema(cfg: DictConfig) -> DictConfig:
     """Re-merge into the schema: catches keys force-added with ``+`` that struct mode let through."""
     container = OmegaConf.to_container(cfg, resolve=False)

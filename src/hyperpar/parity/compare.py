@@ -126,7 +126,8 @@ def _experiment_key(r: RunRecord) -> tuple[str, ...]:
 
 
 def _is_one_process(r: RunRecord) -> bool:
-    return r.parallel == "single" or r.world_size == 1
+    # the world size where the run recorded it: a job named after a packaged layout may have changed its degrees
+    return r.world_size == 1 if r.world_size is not None else r.parallel == "single"
 
 
 def baselines(records: list[RunRecord], baseline: str | None) -> dict[int, RunRecord]:
