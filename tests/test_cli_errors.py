@@ -163,6 +163,7 @@ def test_dry_run_gathers_a_ranks_share_of_the_routed_experts_under_ep(tmp_path):
     (["parallel=single", "parallel.world_size=4", "parallel.dp_shard=4"], "single[world_size=4,dp_shard=4]"),
     (["parallel=fsdp_tp2", "parallel.world_size=8", "parallel.tp=4"], "fsdp_tp2[world_size=8,tp=4]"),
     (["parallel=fsdp_tp2", "parallel.sequence_parallel=false"], "fsdp_tp2"),  # the same degrees
+    (["parallel=fsdp_tp2", "parallel.dp_shard=-1"], "fsdp_tp2"),  # -1: the same 2
     (["parallel=fsdp2", "parallel.name=mine", "parallel.world_size=4", "parallel.dp_shard=4"], "mine"),  # the user's name
 ])
 def test_a_packaged_layout_with_changed_degrees_is_named_for_them(overrides, name):

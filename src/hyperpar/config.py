@@ -252,10 +252,16 @@ def name_layout(cfg: DictConfig) -> DictConfig:
         text = (resources.files("hyperpar.conf") / "parallel" / f"{name}.yaml").read_text()
     except (FileNotFoundError, OSError):
         return cfg
-    packaged = OmegaConf.create(text)
     base = OmegaConf.structured(ParallelConfig)
-    changed = [f"{k}={cfg.parallel[k]}" for k in _DEGREES
-               if cfg.parallel[k] != packaged.get(k, base[k])]
+    packaged = {k: OmegaConf.create(text).get(k, base[k]) for k in _DEGREES}
+    given = {k: cfg.parallel[k] for k in _DEGREES}
+
+    def shard(d: dict) -> int:  # dp_shard=-1: what is left of world_size
+        rest = d["dp_replicate"] * d["tp"] * d["cp"] * d["pp"]
+        return d["world_size"] // rest if d["dp_shard"] == -1 and rest else d["dp_shard"]
+
+    changed = [f"{k}={given[k]}" for k in _DEGREES if given[k] != packaged[k]
+               and not (k == "dp_shard" and shard(given) == shard(packaged))]
     if changed:
         cfg.parallel.name = f"{name}[{','.join(changed)}]"
     return cfg
