@@ -248,6 +248,8 @@ def name_layout(cfg: DictConfig) -> DictConfig:
     from importlib import resources
 
     name = str(cfg.parallel.name)
+    if not name.replace("_", "").isalnum():  # not a file name of conf/parallel
+        return cfg
     try:
         text = (resources.files("hyperpar.conf") / "parallel" / f"{name}.yaml").read_text()
     except (FileNotFoundError, OSError):
