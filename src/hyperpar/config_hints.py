@@ -1,11 +1,11 @@
 """A hint for Hydra's "Could not override 'a.b.c'. Key 'c' is not in struct" errors.
 
 Hydra names the key it cannot set but not why, and the three usual reasons need three different
-fixes: a typo (``train.stepz``), a key that another option of the same config group has
-(``data.extra.video_fraction`` under ``data=auto``: it belongs to ``data=vl_dummy``), or a new key
-in a free-form mapping, which Hydra only adds with a leading ``+`` (``++`` adds or sets:
-``++data.extra.noise=0.1``). ``data.extra`` keys are matched against what each data type declares it
-reads (``register_dataset``).
+fixes: a typo (``train.stepz``), a key that another option of the same config group has, or a new
+key in a free-form mapping, which Hydra only adds with a leading ``+`` (``++`` adds or sets:
+``++model.overrides.vocab_size=100``). ``data.extra`` keys are matched against what each data type
+declares it reads (``register_dataset``): ``data.extra.video_fraction`` under ``data=megatron`` is
+read by ``data=vl_dummy``, and under ``data=auto`` with a VL model by the default data itself.
 The hint is worked out by composing the config again without the failing override, so it only
 costs time on the error path.
 """
@@ -98,8 +98,7 @@ def _data_extra_hint(cfg: DictConfig, key: str, leaf: str) -> str:
     (``register_dataset``): the hint says which type reads this one."""
     from hyperpar.data import registry
 
-    registry._load_builtin()
-    types = registry._TYPES
+    types = registry.declared_extra()
     name = str(cfg.data.type)
     if name == "auto":
         try:
@@ -108,10 +107,10 @@ def _data_extra_hint(cfg: DictConfig, key: str, leaf: str) -> str:
             name = cfg.model.default_data or build(cfg.model).spec.default_data
         except Exception:  # noqa: BLE001 - the model config has its own mistake; hint without it
             name = "auto"
-    own = sorted(types[name].extra) if name in types else []
+    own = sorted(types.get(name, ()))
     if leaf in own:
         return f"data.type={name} reads it but its config does not set it: write ++{key}=..."
-    readers = [f"data={t}" for t, d in sorted(types.items()) if leaf in d.extra]
+    readers = [f"data={t}" for t, extra in sorted(types.items()) if leaf in extra]
     if readers:
         return f"'{leaf}' is read by {' / '.join(readers)}, not by data.type={name}: choose one, then set ++{key}=..."
     close = difflib.get_close_matches(leaf, own, n=1, cutoff=0.75)

@@ -99,6 +99,12 @@ def available() -> list[str]:
     return sorted(_TYPES)
 
 
+def declared_extra() -> dict[str, frozenset[str]]:
+    """Every registered data type and the ``data.extra`` keys it reads."""
+    _load_builtin()
+    return {name: t.extra for name, t in _TYPES.items()}
+
+
 def build_dataset(type: str = "auto", *, context: DataContext, **options: Any) -> SampleSource:
     """The data group's ``_target_``: ``options`` are the data config's fields."""
     _load_builtin()
