@@ -72,9 +72,16 @@ class Plan:
         return "\n".join(lines)
 
 
+def _blocks(model: nn.Module):
+    """Every block in an indexable container (text layers, vision blocks, MTP layers): the FSDP units
+    besides the root."""
+    for module in model.modules():
+        if isinstance(module, (nn.ModuleDict, nn.ModuleList)):
+            yield from module.values() if isinstance(module, nn.ModuleDict) else module
+
+
 def _block_sizes(model: nn.Module, tp_split: set[str] = frozenset(), tp: int = 1, ep: int = 1):
-    """Parameter counts per rank of every block in an indexable container (text layers, vision blocks,
-    MTP layers): those are the FSDP units, and the largest one is all-gathered at a time (its
+    """Parameter counts per rank of every block; the largest one is all-gathered at a time (its
     tensor-parallel split parameters gathered to the tp rank's part only; under ep the routed
     experts, a unit of their own gathered with their block, to the rank's 1 / ep of them)."""
     names = {id(p): n for n, p in model.named_parameters()}
@@ -83,11 +90,8 @@ def _block_sizes(model: nn.Module, tp_split: set[str] = frozenset(), tp: int = 1
         name = names.get(id(p), "")
         return p.numel() / (tp if name in tp_split else 1) / (ep if ".mlp.experts." in name else 1)
 
-    for module in model.modules():
-        if isinstance(module, (nn.ModuleDict, nn.ModuleList)):
-            children = module.values() if isinstance(module, nn.ModuleDict) else module
-            for block in children:
-                yield sum(size(p) for p in block.parameters())
+    for block in _blocks(model):
+        yield sum(size(p) for p in block.parameters())
 
 
 def _root_unit_size(model: nn.Module, tp_split: set[str], tp: int, pp: int, shared_embedding: bool) -> float:
@@ -95,11 +99,7 @@ def _root_unit_size(model: nn.Module, tp_split: set[str], tp: int, pp: int, shar
     tower's patch embedding and merger, final norm, head), its tensor-parallel split parameters at the
     tp rank's part. Under pp the first stage's root holds the embeddings and the vision tower's, the
     last the rest (and the embedding too where ``shared_embedding``): the larger of the two."""
-    in_blocks: set[int] = set()
-    for module in model.modules():
-        if isinstance(module, (nn.ModuleDict, nn.ModuleList)):
-            for block in module.values() if isinstance(module, nn.ModuleDict) else module:
-                in_blocks.update(id(p) for p in block.parameters())
+    in_blocks = {id(p) for block in _blocks(model) for p in block.parameters()}
     first = last = 0.0
     for name, p in model.named_parameters():
         if id(p) in in_blocks:
@@ -107,13 +107,10 @@ def _root_unit_size(model: nn.Module, tp_split: set[str], tp: int, pp: int, shar
         size = p.numel() / (tp if name in tp_split else 1)
         if "embed_tokens" in name or ".visual." in f".{name}":
             first += size
-            last += size if shared_embedding and "embed_tokens" in name else 0.0
+            last += size if pp > 1 and shared_embedding and "embed_tokens" in name else 0.0
         else:
             last += size
-    if pp == 1:
-        return first + last - (sum(p.numel() / (tp if n in tp_split else 1) for n, p in model.named_parameters()
-                                   if "embed_tokens" in n and id(p) not in in_blocks) if shared_embedding else 0.0)
-    return max(first, last)
+    return first + last if pp == 1 else max(first, last)
 
 
 def check_data(data_cfg: DictConfig, default_type: str) -> None:
@@ -244,7 +241,7 @@ def make_plan(cfg: DictConfig, *, strict: bool = True) -> Plan:
     # The largest FSDP unit: a block, or the root (embeddings, head, norms: what no block holds).
     from hyperpar.distributed.pipeline import shares_embedding
 
-    shared = pdims.pp > 1 and shares_embedding(builder.args)
+    shared = shares_embedding(builder.args)
     # The root stays gathered for the whole step (fsdp.apply_fsdp: reshard_after_forward=False).
     root = _root_unit_size(meta, split_names, pdims.tp, pdims.pp, shared)
     unit = max(largest, root)
