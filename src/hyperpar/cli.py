@@ -15,7 +15,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from hyperpar.config import check_values, name_layout, register_configs, validate_schema
+from hyperpar.config import check_values, compose_config, name_layout, register_configs, validate_schema
 from hyperpar.errors import ConfigError, HyperparError
 
 CONFIG_PATH = "pkg://hyperpar.conf"
@@ -195,9 +195,6 @@ def _first_of_sweeps(overrides: list[str]) -> list[str]:
 
 def preflight(argv: list[str]) -> None:
     """Compose once with Hydra's API so a typo, a wrong type or an unknown option is one line, exit 2."""
-    from hydra import compose, initialize_config_module
-    from hydra.core.global_hydra import GlobalHydra
-
     overrides, special, multirun = _split_argv(argv)
     if special:
         return
@@ -206,20 +203,14 @@ def preflight(argv: list[str]) -> None:
             first = _first_of_sweeps(overrides)
         except Exception as e:  # noqa: BLE001 - Hydra's grammar errors
             raise ConfigError(" ".join(str(e).split()), hint="overrides look like group=option or key=value") from None
-        GlobalHydra.instance().clear()
+        job_overrides = [o for o in first if not o.startswith(("hydra.", "hydra/"))]
         try:
-            with initialize_config_module(config_module="hyperpar.conf", version_base="1.3"):
-                cfg = compose(config_name="config", overrides=[o for o in first if not o.startswith(("hydra.", "hydra/"))])
+            cfg = compose_config(job_overrides)
         except Exception as e:  # noqa: BLE001 - every compose failure is a config mistake of the user
-            message = _compose_message(e)
-        else:
-            message = None
-        finally:
-            GlobalHydra.instance().clear()
-        if message is not None:
             from hyperpar.config_hints import unknown_key_hint
 
-            raise ConfigError(message, hint=unknown_key_hint(message, [o for o in first if not o.startswith(("hydra.", "hydra/"))]))
+            message = _compose_message(e)
+            raise ConfigError(message, hint=unknown_key_hint(message, job_overrides)) from None
         cfg = check_values(validate_schema(cfg))
         run_dir = None if multirun else _explicit_run_dir(overrides)
         if run_dir is not None:

@@ -235,6 +235,21 @@ def register_configs() -> None:
         cs.store(group=f"schema/{group}", name="base", node=node)
 
 
+def compose_config(overrides: list[str]) -> DictConfig:
+    """The job config Hydra composes from ``overrides`` (no ``hydra.*`` keys), outside ``@hydra.main``;
+    Hydra's errors propagate."""
+    from hydra import compose, initialize_config_module
+    from hydra.core.global_hydra import GlobalHydra
+
+    register_configs()
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_module(config_module="hyperpar.conf", version_base="1.3"):
+            return compose(config_name="config", overrides=overrides)
+    finally:
+        GlobalHydra.instance().clear()
+
+
 _DEGREES = ("world_size", "dp_replicate", "dp_shard", "tp", "cp", "ep", "pp", "vpp")
 
 
@@ -251,11 +266,11 @@ def name_layout(cfg: DictConfig) -> DictConfig:
     if not name.replace("_", "").isalnum():  # not a file name of conf/parallel
         return cfg
     try:
-        text = (resources.files("hyperpar.conf") / "parallel" / f"{name}.yaml").read_text()
-    except (FileNotFoundError, OSError):
+        shipped = OmegaConf.create((resources.files("hyperpar.conf") / "parallel" / f"{name}.yaml").read_text())
+    except OSError:
         return cfg
     base = OmegaConf.structured(ParallelConfig)
-    packaged = {k: OmegaConf.create(text).get(k, base[k]) for k in _DEGREES}
+    packaged = {k: shipped.get(k, base[k]) for k in _DEGREES}
     given = {k: cfg.parallel[k] for k in _DEGREES}
 
     def shard(d: dict) -> int:  # dp_shard=-1: what is left of world_size

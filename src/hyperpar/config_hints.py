@@ -23,20 +23,12 @@ _MISSING = object()
 
 
 def _compose(overrides: list[str]) -> DictConfig | None:
-    from hydra import compose, initialize_config_module
-    from hydra.core.global_hydra import GlobalHydra
+    from hyperpar.config import compose_config
 
-    from hyperpar.config import register_configs
-
-    register_configs()
-    GlobalHydra.instance().clear()
     try:
-        with initialize_config_module(config_module="hyperpar.conf", version_base="1.3"):
-            return compose(config_name="config", overrides=overrides)
+        return compose_config(overrides)
     except Exception:  # noqa: BLE001 - another mistake among the overrides: no hint, the message stands
         return None
-    finally:
-        GlobalHydra.instance().clear()
 
 
 def _group_options(group: str) -> list[str]:

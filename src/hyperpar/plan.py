@@ -80,18 +80,19 @@ def _blocks(model: nn.Module):
             yield from module.values() if isinstance(module, nn.ModuleDict) else module
 
 
+def _rank_share(name: str, p: nn.Parameter, tp_split: set[str], tp: int, ep: int = 1) -> float:
+    """A parameter's element count on one rank: its tensor-parallel part where the tp plan splits it,
+    and a routed expert tensor's 1 / ep under ep."""
+    return p.numel() / (tp if name in tp_split else 1) / (ep if ".mlp.experts." in name else 1)
+
+
 def _block_sizes(model: nn.Module, tp_split: set[str] = frozenset(), tp: int = 1, ep: int = 1):
     """Parameter counts per rank of every block; the largest one is all-gathered at a time (its
     tensor-parallel split parameters gathered to the tp rank's part only; under ep the routed
     experts, a unit of their own gathered with their block, to the rank's 1 / ep of them)."""
     names = {id(p): n for n, p in model.named_parameters()}
-
-    def size(p: nn.Parameter) -> float:
-        name = names.get(id(p), "")
-        return p.numel() / (tp if name in tp_split else 1) / (ep if ".mlp.experts." in name else 1)
-
     for block in _blocks(model):
-        yield sum(size(p) for p in block.parameters())
+        yield sum(_rank_share(names.get(id(p), ""), p, tp_split, tp, ep) for p in block.parameters())
 
 
 def _root_unit_size(model: nn.Module, tp_split: set[str], tp: int, pp: int, shared_embedding: bool) -> float:
@@ -104,7 +105,7 @@ def _root_unit_size(model: nn.Module, tp_split: set[str], tp: int, pp: int, shar
     for name, p in model.named_parameters():
         if id(p) in in_blocks:
             continue
-        size = p.numel() / (tp if name in tp_split else 1)
+        size = _rank_share(name, p, tp_split, tp)
         if "embed_tokens" in name or ".visual." in f".{name}":
             first += size
             last += size if pp > 1 and shared_embedding and "embed_tokens" in name else 0.0
