@@ -96,7 +96,7 @@ def _data_extra_hint(cfg: DictConfig, key: str, leaf: str) -> str:
         try:
             from hyperpar.config import build
 
-            name = cfg.model.default_data or build(cfg.model).spec.default_data
+            name = build(cfg.model).auto_data
         except Exception:  # noqa: BLE001 - the model config has its own mistake; hint without it
             name = "auto"
     own = sorted(types.get(name, ()))

@@ -164,7 +164,7 @@ def worker_main(cfg: DictConfig, run_dir: str) -> dict[str, Any]:
         resume_path = checkpointer.choose_resume()
         ctx = DataContext(seq_len=t.seq_len, seed=t.seed, num_samples=samples_to_read(t, resume_path),
                           vocab_size=builder.args.vocab_size if hasattr(builder.args, "vocab_size") else builder.args.text.vocab_size,
-                          model_args=builder.args, default_type=cfg.model.default_data or builder.spec.default_data, run_dir=run_dir)
+                          model_args=builder.args, default_type=builder.auto_data, run_dir=run_dir)
         dataset = instantiate(cfg.data, _partial_=True, _convert_="all")(context=ctx)
         loader = DistributedBatchLoader.for_layout(dataset, pdims, t, pad_id=pad_token_id(builder.args))
         seq_flops = model.flops_per_token(t.seq_len)

@@ -184,7 +184,7 @@ def make_plan(cfg: DictConfig, *, strict: bool = True) -> Plan:
     check_pp_schedule(cfg.parallel.pp_schedule)
     builder = instantiate(cfg.model)
     check_mtp(float(cfg.model.mtp_loss_weight), cfg.model.name, builder.args, int(cfg.train.seq_len))
-    check_data(cfg.data, cfg.model.default_data or builder.spec.default_data)
+    check_data(cfg.data, builder.auto_data)
     t = cfg.train
     problems: list[str] = []
     from hyperpar.distributed.compile import check_compile

@@ -118,6 +118,12 @@ class ModelBuilder:
                 self.args, fit_left_out, self.fit_notes = fit_to_checkpoint(self.args, ckpt.keys())
             self.left_out += fit_left_out
 
+    @property
+    def auto_data(self) -> str | None:
+        """The data type ``data=auto`` resolves to: the model config's ``default_data``, else the
+        family's (a VL family reads images)."""
+        return self.default_data or self.spec.default_data
+
     def _check_text_only(self) -> list[tuple[str, str]]:
         """A VL checkpoint loads into a text model only when asked (model.text_only=true); returns
         what such a load leaves out."""
