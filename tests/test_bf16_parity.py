@@ -1,5 +1,6 @@
 """bf16 mixed precision: 1 process and fsdp2 agree in mean loss over 100 steps (bound 5e-3), and the
-one-process run casts like the N-process run (same FSDP mixed-precision policy)."""
+one-process run casts like the N-process run (FSDP's mixed-precision policy; on CPU applied without
+FSDP by ``one_rank_cast``, bitwise the same: tests/test_one_rank_cast.py)."""
 
 from __future__ import annotations
 

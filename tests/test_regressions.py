@@ -24,14 +24,16 @@ def _run(tmp_path, name, overrides):
     return read_losses(run_dir)
 
 
-def test_one_rank_params_are_leaf_dtensors_like_n_ranks(tmp_path):
-    """Materialised parameters are leaves on a (replicate, shard) mesh even with one rank, and AdamW takes them."""
+@pytest.mark.parametrize("fsdp", [True, False], ids=["fsdp", "one_rank_cast"])
+def test_one_rank_params_are_leaf_dtensors_like_n_ranks(tmp_path, fsdp):
+    """Materialised parameters are leaves on a (replicate, shard) mesh even with one rank, and AdamW
+    takes them; on CPU the default one-rank casts (``one_rank_cast``) keep them plain fp32 leaves."""
     import torch.distributed as dist
 
     from hyperpar.config import build
     from hyperpar.distributed.materialize import materialize
 
-    cfg = compose_cfg(["train.mixed_precision.param_dtype=bfloat16"])
+    cfg = compose_cfg(["train.mixed_precision.param_dtype=bfloat16", f"train.mixed_precision.one_rank_cast={not fsdp}"])
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         pdims = build(cfg.parallel)
@@ -39,19 +41,19 @@ def test_one_rank_params_are_leaf_dtensors_like_n_ranks(tmp_path):
         builder = build(cfg.model)
         model = builder.spec.parallelize(builder.build_meta(), pdims, cfg)
         materialize(model, torch.device("cpu"), seed=0)
-        assert isinstance(model, FSDPModule)
-        assert all(isinstance(m, FSDPModule) for m in model.model.layers.values())
+        assert isinstance(model, FSDPModule) == fsdp
+        assert all(isinstance(m, FSDPModule) == fsdp for m in model.model.layers.values())
         for name, p in model.named_parameters():
             assert p.is_leaf and p.requires_grad, name
-            assert isinstance(p, DTensor) and p.placements == (Replicate(), Shard(0)), name
-            assert p.dtype == torch.float32, name  # sharded master weights stay fp32
+            assert not fsdp or isinstance(p, DTensor) and p.placements == (Replicate(), Shard(0)), name
+            assert p.dtype == torch.float32, name  # (sharded) master weights stay fp32
         opt, _ = build(cfg.optim, _partial_=True)(model=model, total_steps=2)
         ids = torch.randint(0, 100, (2, 16))
         logits = model(ids)
         assert logits.dtype == torch.bfloat16  # the mixed-precision policy is applied with one rank too
         logits.float().logsumexp(-1).mean().backward()
         opt.step()
-        assert all(p.grad is not None for p in model.parameters())
+        assert all(p.grad is not None and p.grad.dtype == p.dtype == torch.float32 for p in model.parameters())
     except BaseException:
         close_group(ok=False)
         raise
@@ -61,7 +63,8 @@ def test_one_rank_params_are_leaf_dtensors_like_n_ranks(tmp_path):
 def test_one_rank_fp32_stays_plain_and_equals_fsdp_bitwise(tmp_path, monkeypatch):
     """One fp32 rank skips FSDP (its wrapping there is copies only). Three steps of four accumulated
     micro-batches each, through the worker: the losses and grad norms equal those of the FSDP-wrapped
-    one-rank model bit for bit, and a 16-bit policy still gets FSDP (its casts)."""
+    one-rank model bit for bit, and a 16-bit policy still gets FSDP (its casts) where the CPU one-rank
+    casts are off (tests/test_one_rank_cast.py has them)."""
     import torch.distributed as dist
 
     from hyperpar.config import build
@@ -80,7 +83,7 @@ def test_one_rank_fp32_stays_plain_and_equals_fsdp_bitwise(tmp_path, monkeypatch
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         for dtype, wrapped in (("float32", False), ("bfloat16", True)):
-            cfg = compose_cfg([f"train.mixed_precision.param_dtype={dtype}"])
+            cfg = compose_cfg([f"train.mixed_precision.param_dtype={dtype}", "train.mixed_precision.one_rank_cast=false"])
             pdims = build(cfg.parallel)
             pdims.build_mesh("cpu")
             builder = build(cfg.model)

@@ -28,6 +28,9 @@ class MixedPrecisionConfig:
     # 16-bit matmuls on CPU: auto (fp32 GEMMs on the 16-bit values where the CPU has no 16-bit GEMM,
     # e.g. x86 without AVX-512) | native (torch's own 16-bit GEMM) | fp32 (always on CPU)
     cpu_matmul: str = "auto"
+    # One data-parallel CPU rank (no tp, pp or ep) under a 16-bit policy: cast the parameters for each
+    # forward and backward without FSDP's unshard copies (same numbers; distributed/one_rank_cast.py)
+    one_rank_cast: bool = True
 
 
 @dataclass

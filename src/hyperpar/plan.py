@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import torch
 from omegaconf import DictConfig
 from torch import nn
 
@@ -37,11 +38,21 @@ class Plan:
     compile: bool = False
     units_kept: bool = False  # FSDP units stay gathered from forward to backward (every unit counted)
     root_unit_params: float = 0.0  # per rank: embeddings, head, final norm (what no block holds)
+    one_rank_cast: bool = False  # one CPU rank, 16-bit compute: every parameter's 16-bit copy held for the step
+    one_rank_plain: bool = False  # one fp32 rank: no FSDP, nothing gathered
     collectives: str = ""  # CPU ranks: how FSDP's collectives travel (launch.cpu_collectives)
 
     @property
     def ok(self) -> bool:
         return not self.problems
+
+    @property
+    def _gathered_label(self) -> str:
+        if self.one_rank_plain:
+            return "gathered nothing (one fp32 rank: no FSDP)"
+        if self.one_rank_cast:
+            return "16-bit copies of all parameters (one-rank casts)"
+        return "gathered units, kept to backward" if self.units_kept else "gathered blocks and root"
 
     def render(self) -> str:
         p = self.pdims
@@ -61,7 +72,7 @@ class Plan:
             *(["compile     torch.compile per decoder block (attention core, delta rule, MoE block eager)"]
               if self.compile else []),
             f"memory/rank params {self.mem_params_mb:.1f} MB + grads {self.mem_grads_mb:.1f} MB + optimizer {self.mem_optim_mb:.1f} MB"
-            f" + {'gathered units, kept to backward' if self.units_kept else 'gathered blocks and root'} {self.mem_gathered_mb:.1f} MB"
+            f" + {self._gathered_label} {self.mem_gathered_mb:.1f} MB"
             f" = {total_mem:.1f} MB (activations not included)",
             f"batch       grad accumulation {self.grad_accum} micro-batches per step",
         ]
@@ -247,10 +258,19 @@ def make_plan(cfg: DictConfig, *, strict: bool = True) -> Plan:
     root = _root_unit_size(meta, split_names, pdims.tp, pdims.pp, shared)
     unit = max(largest, root)
     reduce = dtype_of(t.mixed_precision.reduce_dtype).itemsize
+    from hyperpar.distributed.one_rank_cast import planned
+
+    casts = planned(pdims, dtype_of(t.mixed_precision.param_dtype), dtype_of(t.mixed_precision.reduce_dtype),
+                    bool(t.mixed_precision.one_rank_cast), device_type)
+    # One fp32 rank stays plain (fsdp.one_rank_is_plain): nothing is gathered or cast.
+    plain = (pdims.dp == 1 and pdims.cp == 1 and pdims.tp == 1
+             and dtype_of(t.mixed_precision.param_dtype) == dtype_of(t.mixed_precision.reduce_dtype) == torch.float32)
+    gathered = 0 if plain else total / pdims.pp if casts else (sum(blocks) / pdims.pp if kept else 2 * largest) + root
     return Plan(
         pdims=pdims, model_desc=builder.describe(), total_params=total, largest_block_params=largest,
         params_per_rank=per_rank, root_unit_params=root, tp_split_params=tp_split, tp_setup=_tp_setup(pdims, t), mem_params_mb=per_rank * master / mb, mem_grads_mb=per_rank * master / mb,
-        mem_optim_mb=2 * per_rank * master / mb, mem_gathered_mb=((sum(blocks) / pdims.pp if kept else 2 * largest) + root) * compute / mb, units_kept=kept,
+        mem_optim_mb=2 * per_rank * master / mb, mem_gathered_mb=gathered * compute / mb, units_kept=kept,
+        one_rank_cast=casts, one_rank_plain=plain,
         grad_accum=pdims.grad_accum_steps(t.global_batch_size, t.micro_batch_size), problems=problems,
         pp_setup=pp_job[0].describe() if pp_job and pp_job[0] else "",
         row_padding=_row_padding(pdims, t.seq_len), compile=bool(t.compile),

@@ -79,8 +79,10 @@ def split_state(model: nn.Module | list[nn.Module], optimizer: torch.optim.Optim
     checkpoint does not depend on those settings either.
     """
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+    from hyperpar.distributed.one_rank_cast import settle
 
     parts = _parts(model)
+    settle(parts)  # never a forward's 16-bit casts (distributed/one_rank_cast.py)
     msd: dict[str, Any] = {}
     for part in parts:
         msd.update(get_model_state_dict(part, options=_options()))

@@ -49,5 +49,8 @@ def apply_ac_and_dp(
         expert_units=experts,
         expert_mesh=parallel_dims.expert_fsdp_mesh() if experts else None,
         reshard_after_forward=not parallel_dims.fsdp_units_kept,
+        # a pipeline stage's schedule interleaves micro-batches' forwards and backwards, which the
+        # one-rank casts (held from a forward to the end of its backward) do not follow
+        one_rank_cast=bool(mp.one_rank_cast) and parallel_dims.pp == 1,
     )
     return model

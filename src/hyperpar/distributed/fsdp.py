@@ -33,19 +33,28 @@ def apply_fsdp(
     reshard_after_forward: bool = True,
     expert_units: Iterable[nn.Module] = (),
     expert_mesh=None,
+    one_rank_cast: bool = False,
 ) -> nn.Module:
     """Shard each block as its own unit, then the root (embeddings, final norm, head, tied weights).
 
     ``expert_units`` (expert-parallel experts, inside the blocks) are units of their own on
     ``expert_mesh`` (the data-parallel ranks left after ep), sharded before the blocks holding them.
-    The model stays plain where ``one_rank_is_plain`` says FSDP would be copies only."""
+    The model stays plain where ``one_rank_is_plain`` says FSDP would be copies only. With
+    ``one_rank_cast`` (the caller's choice: one pipeline stage, ``train.mixed_precision.one_rank_cast``),
+    a one-rank CPU mesh whose policy only casts gets ``OneRankCast`` instead of FSDP (see its module)."""
     if one_rank_is_plain(model, mesh, expert_mesh, param_dtype, reduce_dtype):
+        return model
+    blocks = list(blocks)
+    expert_units = list(expert_units)
+    if one_rank_cast and not expert_units and one_rank_casts_only(model, mesh, expert_mesh, param_dtype, reduce_dtype):
+        from hyperpar.distributed.one_rank_cast import OneRankCast
+
+        OneRankCast(model, blocks, param_dtype)
         return model
     _unshard_unfilled()
     mp = mixed_precision_policy(param_dtype, reduce_dtype)
     for unit in expert_units:
         fully_shard(unit, mesh=expert_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
-    blocks = list(blocks)
     for i, block in enumerate(blocks):
         # The last block's params are needed right away by backward; keeping them saves one all-gather.
         fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward and i < len(blocks) - 1)
@@ -111,6 +120,15 @@ def one_rank_is_plain(model: nn.Module, mesh, expert_mesh, param_dtype: torch.dt
     from torch.distributed.tensor import DTensor
 
     return _one_rank(mesh, expert_mesh) and all(p.dtype == param_dtype == reduce_dtype and not isinstance(p, DTensor) for p in model.parameters())
+
+
+def one_rank_casts_only(model: nn.Module, mesh, expert_mesh, param_dtype: torch.dtype, reduce_dtype: torch.dtype) -> bool:
+    """One data-parallel CPU rank whose policy casts the parameters for compute and nothing else:
+    every parameter plain (no tensor parallelism) and already in the reduce dtype."""
+    from torch.distributed.tensor import DTensor
+
+    return (_one_rank(mesh, expert_mesh) and mesh.device_type == "cpu" and param_dtype != reduce_dtype
+            and all(p.dtype == reduce_dtype and not isinstance(p, DTensor) for p in model.parameters()))
 
 
 def prime_unsharded_params(model: nn.Module) -> None:

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hyperpar.distributed.one_rank_cast import settle
 from hyperpar.distributed.pipeline_vl import is_vl
 from hyperpar.distributed.vision_sync import has_vision, idle_tower_forwards
 from hyperpar.errors import TrainingError
@@ -125,6 +126,7 @@ class Trainer:
         self.unlabelled_in_row = 0
         with phase("forward_backward"), record_routes() if self.routes else contextlib.nullcontext() as routes:
             loss_sum, aux_sum, mtp_sum, saw_aux, saw_mtp = self._forward_backward(micro_batches, labels, totals)
+        settle(self.model_parts)  # one-rank casts: fp32 parameters and gradients (each backward's end restored them)
         with phase("clip_grad"):
             if self.pipeline is not None:
                 grad_norm = self.pipeline.clip_grad_norm(self.max_grad_norm)
