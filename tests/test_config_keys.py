@@ -371,6 +371,9 @@ EFFECTS: dict[str, Effect] = {
     "train.mixed_precision.cpu_matmul": Effect("run", ["train.mixed_precision.cpu_matmul=fp32"],
                                                ["train.mixed_precision.param_dtype=bfloat16", "train.mixed_precision.cpu_matmul=native"],
                                                view=in_log("16-bit matmuls run as fp32 GEMMs")),
+    # the run's numbers do not change (tests/test_one_rank_cast.py): the plan's bf16 copies do
+    "train.mixed_precision.one_rank_cast": Effect("plan", ["train.mixed_precision.one_rank_cast=false"],
+                                                  ["train.mixed_precision.param_dtype=bfloat16"]),
     "train.loss_parallel": Effect("plan", ["train.loss_parallel=false"], ["parallel=tp2"]),
     "train.compile": Effect("plan", ["train.compile=true"]),  # the run: tests/test_compile.py
     "train.activation_checkpoint": Effect("run", ["train.activation_checkpoint=full"], view=probe("checkpointed_blocks")),

@@ -31,12 +31,15 @@ FSDP. ``train.mixed_precision.one_rank_cast=false`` keeps FSDP on CPU too.
 from __future__ import annotations
 
 import functools
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 import torch
 from torch import nn
 from torch.autograd import Variable
 from torch.distributed.utils import _apply_to_tensors
+
+if TYPE_CHECKING:
+    from hyperpar.distributed.parallel_dims import ParallelDims
 
 _ATTR = "_hyperpar_one_rank_cast"
 
@@ -153,7 +156,7 @@ class OneRankCast:
         return any(found)
 
 
-def planned(pdims, param_dtype: torch.dtype, reduce_dtype: torch.dtype, enabled: bool, device_type: str | None) -> bool:
+def planned(pdims: ParallelDims, param_dtype: torch.dtype, reduce_dtype: torch.dtype, enabled: bool, device_type: str | None) -> bool:
     """Whether a layout gets ``OneRankCast`` (what ``fsdp.apply_fsdp`` decides from the built model):
     one data-parallel CPU rank with no tp, cp, ep or pp, fp32 parameters and reduction, 16-bit compute."""
     return (enabled and device_type == "cpu" and reduce_dtype == torch.float32 and param_dtype != reduce_dtype
