@@ -68,7 +68,7 @@ def one_step(overrides: list[str]) -> dict:
     args = builder.args
     ctx = DataContext(seq_len=t.seq_len, seed=t.seed, num_samples=t.steps * t.global_batch_size,
                       vocab_size=getattr(args, "vocab_size", None) or args.text.vocab_size, model_args=args,
-                      default_type=builder.spec.default_data, run_dir=tempfile.mkdtemp())
+                      default_type=builder.auto_data, run_dir=tempfile.mkdtemp())
     dataset = instantiate(cfg.data, _partial_=True, _convert_="all")(context=ctx)
     dp = pd.submesh("dp")
     loader = DistributedBatchLoader.for_layout(dataset, pd, t, pad_id=pad_token_id(args))

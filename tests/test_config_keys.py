@@ -139,7 +139,7 @@ class Observer:
 
         cfg = self._cfg(overrides)
         builder = build(cfg.model)
-        default = cfg.model.default_data or builder.spec.default_data
+        default = builder.auto_data
         check_data(cfg.data, default)
         t = cfg.train
         ctx = DataContext(seq_len=t.seq_len, seed=t.seed, num_samples=t.steps * t.global_batch_size,

@@ -248,7 +248,8 @@ def make_plan(cfg: DictConfig, *, strict: bool = True) -> Plan:
     # TP splits what its plan shards and leaves the rest whole on every tp rank; FSDP shards all of it.
     per_rank = (tp_split / pdims.tp + (total - tp_split)) / (pdims.fsdp_size * pdims.pp)
     master = 4  # FSDP keeps sharded fp32 master weights, fp32 grads and fp32 AdamW moments
-    compute = dtype_of(t.mixed_precision.param_dtype).itemsize
+    param_dtype, reduce_dtype = dtype_of(t.mixed_precision.param_dtype), dtype_of(t.mixed_precision.reduce_dtype)
+    compute = param_dtype.itemsize
     mb = 2**20
     # The largest FSDP unit: a block, or the root (embeddings, head, norms: what no block holds).
     from hyperpar.distributed.pipeline import shares_embedding
@@ -257,15 +258,13 @@ def make_plan(cfg: DictConfig, *, strict: bool = True) -> Plan:
     # The root stays gathered for the whole step (fsdp.apply_fsdp: reshard_after_forward=False).
     root = _root_unit_size(meta, split_names, pdims.tp, pdims.pp, shared)
     unit = max(largest, root)
-    reduce = dtype_of(t.mixed_precision.reduce_dtype).itemsize
+    reduce = reduce_dtype.itemsize
     from hyperpar.distributed.one_rank_cast import planned
 
-    casts = planned(pdims, dtype_of(t.mixed_precision.param_dtype), dtype_of(t.mixed_precision.reduce_dtype),
-                    bool(t.mixed_precision.one_rank_cast), device_type)
+    casts = planned(pdims, param_dtype, reduce_dtype, bool(t.mixed_precision.one_rank_cast), device_type)
     # One fp32 rank stays plain (fsdp.one_rank_is_plain): nothing is gathered or cast.
-    plain = (pdims.dp == 1 and pdims.cp == 1 and pdims.tp == 1
-             and dtype_of(t.mixed_precision.param_dtype) == dtype_of(t.mixed_precision.reduce_dtype) == torch.float32)
-    gathered = 0 if plain else total / pdims.pp if casts else (sum(blocks) / pdims.pp if kept else 2 * largest) + root
+    plain = pdims.dp == 1 and pdims.cp == 1 and pdims.tp == 1 and param_dtype == reduce_dtype == torch.float32
+    gathered = 0 if plain else total if casts else (sum(blocks) / pdims.pp if kept else 2 * largest) + root
     return Plan(
         pdims=pdims, model_desc=builder.describe(), total_params=total, largest_block_params=largest,
         params_per_rank=per_rank, root_unit_params=root, tp_split_params=tp_split, tp_setup=_tp_setup(pdims, t), mem_params_mb=per_rank * master / mb, mem_grads_mb=per_rank * master / mb,

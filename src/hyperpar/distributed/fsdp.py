@@ -45,8 +45,7 @@ def apply_fsdp(
     if one_rank_is_plain(model, mesh, expert_mesh, param_dtype, reduce_dtype):
         return model
     blocks = list(blocks)
-    expert_units = list(expert_units)
-    if one_rank_cast and not expert_units and one_rank_casts_only(model, mesh, expert_mesh, param_dtype, reduce_dtype):
+    if one_rank_cast and one_rank_casts_only(model, mesh, expert_mesh, param_dtype, reduce_dtype):
         from hyperpar.distributed.one_rank_cast import OneRankCast
 
         OneRankCast(model, blocks, param_dtype)
