@@ -1,5 +1,5 @@
 """The chunked cross-entropy equals PyTorch's in value and gradient (fp32 and bf16 logits, ignored
-rows, several chunks with a ragged last one)."""
+rows, several chunks with a ragged last one), eager and compiled (``train.compile``'s kernels)."""
 
 from __future__ import annotations
 
@@ -12,15 +12,16 @@ from hyperpar.train import cross_entropy as ce
 
 # the gradient formed in the forward (0.7, the real one), rescaled in the backward (1.0), or formed
 # in the backward from the kept logits (None)
+@pytest.mark.parametrize("compiled", [False, True])
 @pytest.mark.parametrize("hint", [0.7, 1.0, None])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cross_entropy_sum_equals_torch(monkeypatch, dtype, hint):
+def test_cross_entropy_sum_equals_torch(monkeypatch, dtype, hint, compiled):
     monkeypatch.setattr(ce, "_row_chunk", lambda vocab, device=None: 7)  # 50 rows: 7 full chunks and one of 1
     torch.manual_seed(0)
     x = (torch.randn(50, 300) * 4).to(dtype).requires_grad_()
     y = torch.randint(0, 300, (50,))
     y[::6] = -100
-    got = ce.cross_entropy_sum(x, y, hint)
+    got = ce.cross_entropy_sum(x, y, hint, compiled=compiled)
     (got * 0.7).backward()
     g = x.grad.clone()
     x.grad = None
@@ -40,12 +41,13 @@ def test_all_rows_ignored_gives_zero():
     assert loss.item() == 0.0 and x.grad.eq(0).all()
 
 
-def test_cross_entropy_sum_without_grad_keeps_nothing_for_backward():
+@pytest.mark.parametrize("compiled", [False, True])
+def test_cross_entropy_sum_without_grad_keeps_nothing_for_backward(compiled):
     """Under no_grad (evaluation) no gradient is formed; a later backward through it is impossible."""
     x = torch.randn(6, 10, requires_grad=True)
     y = torch.randint(0, 10, (6,))
     with torch.no_grad():
-        loss = ce.cross_entropy_sum(x, y)
+        loss = ce.cross_entropy_sum(x, y, compiled=compiled)
     assert not loss.requires_grad
     ref = F.cross_entropy(x.detach(), y, reduction="sum")
     assert abs(loss.item() - ref.item()) <= 1e-6 * ref.item()
@@ -58,8 +60,9 @@ def _fp64_reference(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor, grad: flo
     return loss.item(), h64.grad, w64.grad
 
 
+@pytest.mark.parametrize("compiled", [False, True])
 @pytest.mark.parametrize("hint_matches", [True, False])
-def test_linear_cross_entropy_sum_against_fp64(monkeypatch, hint_matches):
+def test_linear_cross_entropy_sum_against_fp64(monkeypatch, hint_matches, compiled):
     """The fused head + loss: value and both gradients against fp64, over several chunks (a ragged
     last one) with ignored rows; a real upstream gradient other than the hint is applied in backward."""
     monkeypatch.setattr(ce, "_head_rows", lambda vocab, device: 7)  # 50 rows: 7 full chunks and one of 1
@@ -70,7 +73,7 @@ def test_linear_cross_entropy_sum_against_fp64(monkeypatch, hint_matches):
     y = torch.randint(0, 300, (50,))
     y[::6] = -100
     grad = 1.0 / 43
-    got = ce.linear_cross_entropy_sum(h, w, y, torch.tensor(grad if hint_matches else 0.25))
+    got = ce.linear_cross_entropy_sum(h, w, y, torch.tensor(grad if hint_matches else 0.25), compiled=compiled)
     (got * grad).backward()  # d(got · grad)/d(got) = grad: the hint, or not
     ref, gh, gw = _fp64_reference(h, w, y, grad)
     assert got.dtype == torch.float32 and h.grad.dtype == torch.float32
@@ -99,13 +102,35 @@ def test_linear_cross_entropy_sum_equals_unfused_head_and_loss():
     assert (g - h.grad).abs().max().item() <= 2e-6 and w.grad is None
 
 
-def test_linear_cross_entropy_sum_without_grad_forms_no_gradient(monkeypatch):
+@pytest.mark.parametrize("compiled", [False, True])
+def test_linear_cross_entropy_sum_without_grad_forms_no_gradient(monkeypatch, compiled):
     calls = []
     monkeypatch.setattr(ce, "_mm", lambda a, b, out=None: calls.append(a.shape) or torch.mm(a, b, out=out))
     h = torch.randn(10, 8, requires_grad=True)
     w = torch.randn(40, 8, requires_grad=True)
+    y = torch.randint(0, 40, (10,))
     with torch.no_grad():
-        loss = ce.linear_cross_entropy_sum(h, w, torch.randint(0, 40, (10,)))
+        loss = ce.linear_cross_entropy_sum(h, w, y, compiled=compiled)
     assert len(calls) == 1 and loss.item() > 0  # the logits only: no gradient GEMMs
+    ref = F.cross_entropy(h @ w.t(), y, reduction="sum")
+    assert abs(loss.item() - ref.item()) <= 1e-6 * ref.item()
     with pytest.raises(ValueError, match="non-zero"):
         ce.linear_cross_entropy_sum(h, w, torch.randint(0, 40, (10,)), 0.0)
+
+
+def test_compiled_kernels_run_compiled(monkeypatch):
+    """``compiled`` really takes the compiled kernels (not the eager chunks), and they give the eager
+    result: a 16-bit gradient all but bitwise, the loss within fp32 rounding."""
+    monkeypatch.setattr(ce, "_chunked_loss", lambda *a: pytest.fail("eager chunks ran"))
+    torch.manual_seed(2)
+    x = (torch.randn(64, 1000) * 3).to(torch.bfloat16).requires_grad_()
+    y = torch.randint(0, 1000, (64,))
+    loss = ce.cross_entropy_sum(x, y, 1.0, compiled=True)
+    loss.backward()
+    monkeypatch.undo()
+    xe = x.detach().clone().requires_grad_()
+    ref = ce.cross_entropy_sum(xe, y, 1.0)
+    ref.backward()
+    assert abs(loss.item() - ref.item()) <= 1e-6 * ref.item()
+    assert (x.grad == xe.grad).float().mean().item() > 0.99
+    assert (x.grad.float() - xe.grad.float()).abs().max().item() <= 2 ** -8 * xe.grad.float().abs().max().item()

@@ -175,7 +175,7 @@ def worker_main(cfg: DictConfig, run_dir: str) -> dict[str, Any]:
             rank=rank, metrics=None, checkpointer=checkpointer, stop_after_steps=t.stop_after_steps, preemption=preemption,
             mtp_loss_weight=cfg.model.mtp_loss_weight, pipeline=pipeline,
             objective=Objective(mtp_weight=cfg.model.mtp_loss_weight, loss_parallel=use_loss_parallel(pdims, cfg.train),
-                                cp=SequenceShard.of(pdims)),
+                                cp=SequenceShard.of(pdims), compiled=t.compile),
             profiler=StepProfiler.from_config(cfg.profile, run_dir, rank, dev.type),
             route_counts=cfg.metrics.route_counts,
         )

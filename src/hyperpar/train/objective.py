@@ -45,19 +45,21 @@ if TYPE_CHECKING:
     from hyperpar.distributed.context_parallel import SequenceShard
 
 def token_loss_sum(logits: torch.Tensor | HeadInput, labels: torch.Tensor,
-                   grad_hint: torch.Tensor | None = None, *, logit_grad_in_forward: bool = False) -> torch.Tensor:
+                   grad_hint: torch.Tensor | None = None, *, logit_grad_in_forward: bool = False,
+                   compiled: bool = False) -> torch.Tensor:
     """Σ per-token cross-entropy in fp32 over pre-shifted ``labels`` (-100 ignored). ``logits`` may
     be a vocab-sharded DTensor (inside ``loss_parallel``: PyTorch's parallel cross-entropy); plain
     logits take the chunked kernel of :mod:`hyperpar.train.cross_entropy`, a fused head's
     ``HeadInput`` its matmul-and-loss kernel. ``grad_hint``: the gradient this sum will get, which
     the fused kernel applies in its forward, and the plain one too with ``logit_grad_in_forward``
-    (then the logits' gradient lives from this forward to the backward). A plain scalar."""
+    (then the logits' gradient lives from this forward to the backward). ``compiled``
+    (``train.compile``): the kernels' per-row passes compiled. A plain scalar."""
     if isinstance(logits, HeadInput):
         return linear_cross_entropy_sum(logits.hidden.flatten(0, -2), logits.weight, labels.flatten(),
-                                        grad_hint if grad_hint is not None else 1.0)
+                                        grad_hint if grad_hint is not None else 1.0, compiled=compiled)
     if not isinstance(logits, DTensor):
         hint = grad_hint if logit_grad_in_forward else None
-        return cross_entropy_sum(logits.flatten(0, -2), labels.flatten(), hint)
+        return cross_entropy_sum(logits.flatten(0, -2), labels.flatten(), hint, compiled=compiled)
     loss = F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
     return loss.to_local() if isinstance(loss, DTensor) else loss
 
@@ -86,10 +88,11 @@ class MicroBatchLoss:
 
 class Objective:
     def __init__(self, *, mtp_weight: float = 0.0, loss_parallel: bool = False,
-                 cp: SequenceShard | None = None) -> None:
+                 cp: SequenceShard | None = None, compiled: bool = False) -> None:
         self.mtp_weight = float(mtp_weight)
         self.loss_parallel = loss_parallel
         self.cp = cp
+        self.compiled = compiled  # train.compile: the cross-entropy's passes as compiled kernels
 
     def targets(self, labels: torch.Tensor, position_ids: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -136,7 +139,8 @@ class Objective:
         logits = out.logits if isinstance(out, ModelOutput) else out
         # the gradient each sum gets in backward, as autograd forms it below (1 / tokens, then × weight)
         per_token = torch.ones((), dtype=torch.float32, device=totals.tokens.device) / totals.tokens
-        lm_sum = token_loss_sum(logits, self.lm_labels(labels), per_token, logit_grad_in_forward=logit_grad_in_forward)
+        lm_sum = token_loss_sum(logits, self.lm_labels(labels), per_token, logit_grad_in_forward=logit_grad_in_forward,
+                                compiled=self.compiled)
         objective = lm_sum / totals.tokens
         parts = MicroBatchLoss(lm_sum.detach())
         if isinstance(out, ModelOutput) and out.router_stats is not None:
@@ -148,7 +152,7 @@ class Objective:
             parts.aux = aux.detach().float()
         if isinstance(out, ModelOutput) and out.mtp_logits is not None and totals.mtp_tokens is not None:
             mtp_hint = torch.ones((), dtype=torch.float32, device=totals.mtp_tokens.device) / totals.mtp_tokens * self.mtp_weight
-            mtp_sum = token_loss_sum(out.mtp_logits, self.mtp_labels(labels), mtp_hint)
+            mtp_sum = token_loss_sum(out.mtp_logits, self.mtp_labels(labels), mtp_hint, compiled=self.compiled)
             objective = objective + self.mtp_weight * mtp_sum / totals.mtp_tokens
             parts.mtp_sum = mtp_sum.detach()
         return objective, parts
