@@ -17,6 +17,8 @@ from hyperpar.train import cross_entropy as ce
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cross_entropy_sum_equals_torch(monkeypatch, dtype, hint, compiled):
     monkeypatch.setattr(ce, "_row_chunk", lambda vocab, device=None: 7)  # 50 rows: 7 full chunks and one of 1
+    if compiled:  # the compiled kernel, not the eager passes
+        monkeypatch.setattr(ce, "_loss_and_gradient_", lambda *a: pytest.fail("eager passes ran"))
     torch.manual_seed(0)
     x = (torch.randn(50, 300) * 4).to(dtype).requires_grad_()
     y = torch.randint(0, 300, (50,))
@@ -67,6 +69,8 @@ def test_linear_cross_entropy_sum_against_fp64(monkeypatch, hint_matches, compil
     last one) with ignored rows; a real upstream gradient other than the hint is applied in backward."""
     monkeypatch.setattr(ce, "_head_rows", lambda vocab, device: 7)  # 50 rows: 7 full chunks and one of 1
     monkeypatch.setattr(ce, "_row_chunk", lambda vocab, device=None: 6)  # a chunk's element-wise work in blocks of 3, 3, 1
+    if compiled:  # blocks of 6 and 1, through the compiled kernel
+        monkeypatch.setattr(ce, "_loss_and_gradient_", lambda *a: pytest.fail("eager passes ran"))
     torch.manual_seed(0)
     h = torch.randn(50, 24, requires_grad=True)
     w = (torch.randn(300, 24) * 0.5).requires_grad_()
@@ -121,7 +125,7 @@ def test_linear_cross_entropy_sum_without_grad_forms_no_gradient(monkeypatch, co
 def test_compiled_kernels_run_compiled(monkeypatch):
     """``compiled`` really takes the compiled kernels (not the eager chunks), and they give the eager
     result: a 16-bit gradient all but bitwise, the loss within fp32 rounding."""
-    monkeypatch.setattr(ce, "_chunked_loss", lambda *a: pytest.fail("eager chunks ran"))
+    monkeypatch.setattr(ce, "_loss_and_gradient_", lambda *a: pytest.fail("eager passes ran"))
     torch.manual_seed(2)
     x = (torch.randn(64, 1000) * 3).to(torch.bfloat16).requires_grad_()
     y = torch.randint(0, 1000, (64,))

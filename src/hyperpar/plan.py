@@ -69,7 +69,7 @@ class Plan:
             *([f"pipeline    {self.pp_setup}"] if self.pp_setup else []),
             *([f"rows        {self.row_padding}"] if self.row_padding else []),
             *([f"collectives {self.collectives}"] if self.collectives else []),
-            *(["compile     torch.compile per decoder block (attention core, delta rule, MoE block eager)"]
+            *(["compile     torch.compile per decoder block (attention core, delta rule, MoE block eager) and the loss's passes"]
               if self.compile else []),
             f"memory/rank params {self.mem_params_mb:.1f} MB + grads {self.mem_grads_mb:.1f} MB + optimizer {self.mem_optim_mb:.1f} MB"
             f" + {self._gathered_label} {self.mem_gathered_mb:.1f} MB"

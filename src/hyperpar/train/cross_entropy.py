@@ -14,10 +14,10 @@ the head's matmul runs inside the loss, chunk by chunk (~256 MB of fp32 logits),
 chunk's logits become their gradient in place, so logits and gradient never both exist (the
 unfused head holds both whole: 2 x 4 GB at a 248k vocabulary and 4096 tokens).
 
-``compiled`` (``train.compile``, CPU or CUDA): the per-row passes run as one ``torch.compile``d
-kernel over the whole matrix instead of eager passes over chunks: inductor fuses them into three
-row-wise sweeps (max, exp-sum, gradient write), each row still in cache, and a 16-bit gradient is
-written straight from fp32 registers. dense_small on 2 AMD cores: 35 against ~60 ms for the bf16
+``compiled`` (``train.compile``, CPU or CUDA): each chunk's per-row passes run as one
+``torch.compile``d kernel instead of eager passes: inductor fuses them into three row-wise sweeps
+(max, exp-sum, gradient write), each row still in cache, and a 16-bit gradient is written straight
+from fp32 registers. dense_small on 2 AMD cores: 35 against ~60 ms for the bf16
 logits' loss and gradient, 31 against 46 ms for the fused fp32 head's. The same formula; only the
 order of the sums differs (the loss within fp32 rounding, 16-bit gradients almost all bitwise).
 """
@@ -47,7 +47,9 @@ _COMPILED_DEVICES = ("cpu", "cuda")
 
 def _loss_gradient_math(x: torch.Tensor, safe: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(gradient ``(softmax - onehot) * scale`` in x's dtype, each row's loss) of (rows, V) logits:
-    ``_loss_and_gradient_``'s formula out of place, for inductor to fuse."""
+    ``_loss_and_gradient_``'s formula out of place, for inductor to fuse. Inductor keeps the exps
+    in an fp32 buffer the size of ``x`` (recomputing them instead measured slower), so callers pass
+    cache-sized row chunks, as to the eager passes."""
     xf = x.float()
     m = xf.amax(dim=-1, keepdim=True)
     e = (xf - m).exp()
@@ -58,10 +60,10 @@ def _loss_gradient_math(x: torch.Tensor, safe: torch.Tensor, scale: torch.Tensor
     return g.to(x.dtype), (s.log() - picked).squeeze(1)
 
 
-def _loss_gradient_inplace_math(x: torch.Tensor, safe: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """Each row's loss; ``x`` overwritten by its gradient (the fused head's logits chunk)."""
+def _loss_gradient_into(x: torch.Tensor, safe: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Each row's loss; the gradient written into ``out`` (which may be ``x`` itself)."""
     g, nll = _loss_gradient_math(x, safe, scale)
-    x.copy_(g)
+    out.copy_(g)
     return nll
 
 
@@ -77,9 +79,9 @@ _kernels: dict[str, object] = {}
 
 
 def _kernel(name: str):
-    """The compiled kernel (one graph per input shape, as the compiled blocks)."""
+    """The compiled kernel (one graph per chunk shape: a whole chunk and a ragged last one)."""
     if name not in _kernels:
-        fn = {"gradient": _loss_gradient_math, "inplace": _loss_gradient_inplace_math, "loss": _loss_math}[name]
+        fn = {"gradient": _loss_gradient_into, "loss": _loss_math}[name]
         _kernels[name] = torch.compile(fn, dynamic=False)
     return _kernels[name]
 
@@ -88,17 +90,12 @@ def _compiles(x: torch.Tensor, compiled: bool) -> bool:
     return compiled and x.shape[0] > 0 and x.device.type in _COMPILED_DEVICES
 
 
-def _loss_and_grad(logits: torch.Tensor, safe: torch.Tensor, scale: torch.Tensor, grad: bool,
-                   compiled: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Each row's loss and, with ``grad``, the (T, V) gradient ``(softmax - onehot) * scale`` in
-    the logits' dtype: compiled whole, or eager in row chunks."""
-    if _compiles(logits, compiled):
-        if grad:
-            g, nll = _kernel("gradient")(logits, safe, scale)
-            return nll, g
-        return _kernel("loss")(logits, safe), None
-    out = empty_unfilled(logits.shape, logits.dtype, logits.device) if grad else None  # written whole
-    return _chunked_loss(logits, safe, scale, out), out
+def _compiled_rows(x: torch.Tensor, safe: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """``_loss_and_gradient_`` for a chunk of rows through the compiled kernels: each row's loss and,
+    with ``out``, its gradient written there."""
+    if out is None:
+        return _kernel("loss")(x, safe)
+    return _kernel("gradient")(x, safe, scale, out)
 
 
 def _loss_and_gradient_(x: torch.Tensor, safe: torch.Tensor, scale: torch.Tensor, grad: bool) -> torch.Tensor:
@@ -117,15 +114,20 @@ def _loss_and_gradient_(x: torch.Tensor, safe: torch.Tensor, scale: torch.Tensor
 
 
 def _chunked_loss(logits: torch.Tensor, safe: torch.Tensor, scale: torch.Tensor,
-                  out: torch.Tensor | None) -> torch.Tensor:
+                  out: torch.Tensor | None, compiled: bool = False) -> torch.Tensor:
     """Each row's loss over fp32 row chunks of ``logits`` (any float dtype); with ``out`` also the
     gradient ``(softmax - onehot) * scale`` written into it. The fp32 working chunk is the gradient's
     own rows for fp32 logits, else one reused buffer: never a fresh or type-promoted temporary per
     chunk (with train.fill_uninitialized_memory each of those is NaN-filled first, ~3.6 ms per 16 MB chunk on one
-    CPU core)."""
+    CPU core). ``compiled``: each chunk through the compiled kernel instead of the eager passes."""
     T, V = logits.shape
     nll = torch.empty(T, dtype=torch.float32, device=logits.device)
     step = _row_chunk(V, logits.device)
+    if _compiles(logits, compiled):
+        for a in range(0, T, step):
+            r = slice(a, a + step)
+            nll[r] = _compiled_rows(logits[r], safe[r], scale[r], None if out is None else out[r])
+        return nll
     buf = None
     if out is None or logits.dtype != torch.float32:
         buf = empty_unfilled((min(step, T), V), torch.float32, logits.device)
@@ -172,10 +174,11 @@ class _CrossEntropySum(torch.autograd.Function):
         ctx.compiled = compiled
         if ctx.formed:
             scale = grad_hint.float() * valid.float()  # (T,): ignored rows get a zero gradient
-            nll, out = _loss_and_grad(logits, safe, scale, True, compiled)
+            out = empty_unfilled(logits.shape, logits.dtype, logits.device)  # written whole
+            nll = _chunked_loss(logits, safe, scale, out, compiled)
             ctx.save_for_backward(out, grad_hint)
         else:
-            nll, _ = _loss_and_grad(logits, safe, valid.float(), False, compiled)
+            nll = _chunked_loss(logits, safe, valid.float(), None, compiled)
             if want:
                 ctx.save_for_backward(logits, safe, valid)
         return (nll * valid).sum()
@@ -190,7 +193,8 @@ class _CrossEntropySum(torch.autograd.Function):
                 out = (out.float() * ratio).to(out.dtype)
             return out, None, None, None, None
         logits, safe, valid = ctx.saved_tensors
-        _, out = _loss_and_grad(logits, safe, grad.float() * valid.float(), True, ctx.compiled)
+        out = empty_unfilled(logits.shape, logits.dtype, logits.device)
+        _chunked_loss(logits, safe, grad.float() * valid.float(), out, ctx.compiled)
         return out, None, None, None, None
 
 
@@ -260,16 +264,16 @@ class _LinearCrossEntropySum(torch.autograd.Function):
             p = _mm(h, wt, out=None if buf is None else buf[:h.shape[0]])  # the logits, turned in place into
             # their gradient below, on a CPU a cache-sized block of rows at a time (the GEMMs want the
             # whole chunk): 2048 x 32000 on 2 AMD cores, 44 ms in 64-row blocks against 92 ms whole;
-            # compiled, the kernel sweeps row by row anyway: one call
-            if _compiles(p, compiled):
-                rows = slice(a, a + h.shape[0])
-                nll[rows] = (_kernel("inplace")(p, safe[rows], scale[rows]) if want_h or want_w
-                             else _kernel("loss")(p, safe[rows]))
-            else:
-                blk = max(1, _row_chunk(V) // 2) if h.device.type == "cpu" else h.shape[0]
-                for b in range(0, h.shape[0], blk):
-                    rows = slice(a + b, a + min(b + blk, h.shape[0]))
-                    nll[rows] = _loss_and_gradient_(p[b:b + blk], safe[rows], scale[rows], want_h or want_w)
+            # compiled, in blocks the size of the kernel's own fp32 buffer of exps
+            comp = _compiles(p, compiled)
+            blk = max(1, _row_chunk(V) // (1 if comp else 2)) if h.device.type == "cpu" else h.shape[0]
+            for b in range(0, h.shape[0], blk):
+                rows = slice(a + b, a + min(b + blk, h.shape[0]))
+                x = p[b:b + blk]
+                if comp:
+                    nll[rows] = _compiled_rows(x, safe[rows], scale[rows], x if want_h or want_w else None)
+                else:
+                    nll[rows] = _loss_and_gradient_(x, safe[rows], scale[rows], want_h or want_w)
             if want_h or want_w:
                 if want_h and dh is None:
                     dh = _mm(p, weight)
