@@ -14,13 +14,14 @@ the head's matmul runs inside the loss, chunk by chunk (~256 MB of fp32 logits),
 chunk's logits become their gradient in place, so logits and gradient never both exist (the
 unfused head holds both whole: 2 x 4 GB at a 248k vocabulary and 4096 tokens).
 
-``compiled`` (``train.compile``, CPU or CUDA): each chunk's per-row passes run as one
+``compiled`` (``train.compile``, on CPU): each chunk's per-row passes run as one
 ``torch.compile``d kernel instead of eager passes: inductor fuses them into three row-wise sweeps
 (max, exp-sum, gradient write), each row still in cache, and a 16-bit gradient is written straight
 from fp32 registers. dense_small on 2 AMD cores: the bf16 logits' loss and gradient 69 -> 33 ms
 of a profiled step, the fused fp32 head's element-wise work 46 -> 31 ms (alone). The same formula;
 only the order of the sums differs (the loss within fp32 rounding, 16-bit gradients almost all
-bitwise).
+bitwise). Accelerators keep the eager passes over head-sized chunks (few launches, measured on an
+H200); a compiled kernel there is unmeasured.
 """
 
 from __future__ import annotations
@@ -41,9 +42,6 @@ def _row_chunk(vocab: int, device: torch.device | None = None) -> int:
     if device is not None and device.type != "cpu":
         return _head_rows(vocab, device)
     return max(1, (1 << 22) // max(vocab, 1))
-
-
-_COMPILED_DEVICES = ("cpu", "cuda")
 
 
 def _loss_gradient_math(x: torch.Tensor, safe: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -88,7 +86,7 @@ def _kernel(name: str):
 
 
 def _compiles(x: torch.Tensor, compiled: bool) -> bool:
-    return compiled and x.shape[0] > 0 and x.device.type in _COMPILED_DEVICES
+    return compiled and x.shape[0] > 0 and x.device.type == "cpu"
 
 
 def _compiled_rows(x: torch.Tensor, safe: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
