@@ -138,3 +138,22 @@ def test_compiled_kernels_run_compiled(monkeypatch):
     assert abs(loss.item() - ref.item()) <= 1e-6 * ref.item()
     assert (x.grad == xe.grad).float().mean().item() > 0.99
     assert (x.grad.float() - xe.grad.float()).abs().max().item() <= 2 ** -8 * xe.grad.float().abs().max().item()
+
+
+def test_compiled_kernels_do_not_recompile_per_row_count():
+    """Micro-batches of ever new sizes (each a ragged chunk too) compile the kernel at most twice:
+    static, then with the rows dynamic."""
+    from torch._dynamo.utils import counters
+
+    ce._kernels.clear()
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(3)
+    for rows in (5, 6, 9, 13, 17):
+        x = torch.randn(rows, 200, requires_grad=True)
+        y = torch.randint(0, 200, (rows,))
+        got = ce.cross_entropy_sum(x, y, 1.0, compiled=True)
+        got.backward()
+        ref = F.cross_entropy(x.detach(), y, reduction="sum")
+        assert abs(got.item() - ref.item()) <= 1e-6 * ref.item()
+    assert counters["stats"]["unique_graphs"] <= 2

@@ -78,10 +78,12 @@ _kernels: dict[str, object] = {}
 
 
 def _kernel(name: str):
-    """The compiled kernel (one graph per chunk shape: a whole chunk and a ragged last one)."""
+    """The compiled kernel. Shapes as torch.compile's default: the first chunk's static, the next
+    row count (a ragged last chunk, another micro-batch size) recompiles once with the rows dynamic,
+    which measured as fast (33 ms for dense_small's bf16 logits either way); no recompile per shape."""
     if name not in _kernels:
         fn = {"gradient": _loss_gradient_into, "loss": _loss_math}[name]
-        _kernels[name] = torch.compile(fn, dynamic=False)
+        _kernels[name] = torch.compile(fn)
     return _kernels[name]
 
 
