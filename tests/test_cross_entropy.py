@@ -145,7 +145,7 @@ def test_compiled_kernels_do_not_recompile_per_row_count():
     static, then with the rows dynamic."""
     from torch._dynamo.utils import counters
 
-    ce._kernels.clear()
+    ce._compiled.cache_clear()
     torch._dynamo.reset()
     counters.clear()
     torch.manual_seed(3)
