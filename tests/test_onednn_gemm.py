@@ -35,7 +35,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("shape,out,bias", [((3, 50, 96), 160, True), ((70, 64), 9000, False)])
 def test_linear_matches_fp64_as_closely_as_blas(policy, shape, out, bias):
-    # 9000 outputs take the wide-output weight-gradient form, 160 the plain one.
+    # 9000 outputs (from 64 inputs) take the (xᵀ g)ᵀ weight-gradient form, 160 (from 96) gᵀ x.
     torch.manual_seed(0)
     lin = Linear(shape[-1], out, bias=bias)
     x = torch.randn(shape)

@@ -26,7 +26,6 @@ from hyperpar.unfilled import empty_unfilled, unfilled
 POLICIES = ("auto", "blas", "onednn")
 _policy = "auto"
 _active: bool | None = None  # the policy resolved on this CPU (read per call, also inside compiled code)
-_WIDE = 8192  # output features from which the weight gradient takes the transposed form
 # Below ~8M multiply-adds per GEMM the custom op's and oneDNN's per-call costs outweigh the faster
 # kernel (measured: a 256 x 128 -> 128 linear's step 0.40 ms with MKL, 0.53 with oneDNN; 256 x 128
 # -> 384 1.04 against 0.84): such GEMMs stay on the BLAS.
@@ -155,14 +154,18 @@ class _OneDnnLinear(torch.autograd.Function):
         dx = _gemm(gy, w.t()) if need_x else None  # g @ w
         dw = None
         if need_w:
-            # A wide output (the 32000-row head) runs faster as (xᵀ g)ᵀ and one copy (~190 against
-            # ~120 GFLOP/s for gᵀ x); a narrow one is as fast either way and skips the copy.
-            # oneDNN's input must be contiguous. Compiled (train.compile), the transposed operand is
-            # made so here, by inductor's tiled transpose (2048 x 1536: 1.5 against 3.9 ms for the
-            # copy oneDNN's op makes itself); eager, oneDNN's op makes that copy (unfilled, inside it).
+            # oneDNN's input must be contiguous, so one operand is copied transposed: gᵀ for gᵀ x, or
+            # xᵀ and the (in x out) result for (xᵀ g)ᵀ. Whichever copies fewer elements: (xᵀ g)ᵀ for
+            # an output wider than the input (a 512 -> 1536 projection: 1.8M against 3.1M elements
+            # at 2048 tokens; the 32000-row head, which also runs faster so: ~190 against ~120
+            # GFLOP/s), gᵀ x otherwise. The GEMMs run as fast either way at 1536 outputs.
+            # Compiled (train.compile), the transposed operand is made so here, by inductor's tiled
+            # transpose (2048 x 1536: 1.5 against 3.9 ms for the copy oneDNN's op makes itself);
+            # eager, oneDNN's op makes that copy (unfilled, inside it).
             xt, gt = x2.t(), g2.t()
             compiling = torch.compiler.is_compiling()
-            if w.shape[0] < _WIDE:
+            rows, n_in, n_out = x2.shape[0], x2.shape[1], w.shape[0]
+            if rows * n_out <= n_in * (rows + n_out):
                 dw = _gemm(gt.contiguous() if compiling else gt, xt)
             elif compiling:
                 dw = _gemm(xt.contiguous(), gt).t().contiguous()  # inductor's tiled transposes
