@@ -46,6 +46,14 @@ sys.path.insert(0, str(Path(__file__).parent))
 from train_throughput import COMMON, CONFIGS, is_moe  # noqa: E402  (the geometries, one place)
 
 
+def _version(package: str) -> str:
+    from importlib import metadata
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
 def cuda_matmul_peak(dtype: torch.dtype, n: int = 8192, reps: int = 10) -> float:
     """Best GFLOP/s of an n x n cuBLAS matmul on the current GPU."""
     a, b = (torch.randn(n, n, device="cuda").to(dtype) for _ in range(2))
@@ -266,6 +274,9 @@ def main() -> None:
     where += f"{os.cpu_count()} cores, {a.threads} threads"
     print(f"machine: {where}; matmul peak fp32 {measured['fp32'][0]:.0f} GFLOP/s, "
           f"bf16 {measured['bf16'][0]:.0f} GFLOP/s (measured again after every round)")
+    # the baseline is whatever transformers release is installed: say which
+    print(f"versions: torch {torch.__version__}, transformers {_version('transformers')}, "
+          f"hyperpar {_version('hyperpar')}")
     work = Path(tempfile.mkdtemp(prefix="hyperpar-bench-"))
     ckpt = work / "ckpt"
     save_checkpoint(a.config, ckpt)
