@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from hyperpar.models.layers import compiled
 from hyperpar.train import cross_entropy as ce
 
 
@@ -145,7 +146,7 @@ def test_compiled_kernels_do_not_recompile_per_row_count():
     static, then with the rows dynamic."""
     from torch._dynamo.utils import counters
 
-    ce._compiled.cache_clear()
+    compiled.clear()
     torch._dynamo.reset()
     counters.clear()
     torch.manual_seed(3)

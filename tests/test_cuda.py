@@ -89,6 +89,7 @@ def test_compiled_conv_on_cuda_matches_float64(dtype):
     """train.compile's causal conv (tap-major weight, one padded range per tap) through inductor's GPU
     kernels: output and both gradients those of float64 arithmetic on the same values, to the dtype's
     rounding (a tap shifted or a weight row swapped is off by O(1))."""
+    from hyperpar.models.layers import compiled
     from hyperpar.models.layers import gated_deltanet as gd
 
     g = torch.Generator().manual_seed(3)
@@ -96,10 +97,10 @@ def test_compiled_conv_on_cuda_matches_float64(dtype):
     x = torch.randn(B, S, C, generator=g).to(CUDA, dtype).requires_grad_()
     w = (torch.randn(C, 1, K, generator=g) * 0.5).to(CUDA, dtype).requires_grad_()
     go = torch.randn(B, S, C, generator=g).to(CUDA, dtype)
-    gd._fused_convs.clear()
+    compiled.clear()
     out = gd.causal_depthwise_conv1d(x, w, compiled=True)
     out.backward(go)
-    assert set(gd._fused_convs) == {"forward", "backward"} and out.dtype == dtype
+    assert compiled.compiled_names() == {"_conv_forward", "_conv_backward"} and out.dtype == dtype
     ref, dx64, dw64 = conv1d_float64(x.cpu(), w.cpu(), go.cpu())
     tol = 1e-5 if dtype == torch.float32 else 2**-6
     assert (out.cpu().double() - ref).abs().max().item() <= tol * max(1.0, ref.abs().max().item())

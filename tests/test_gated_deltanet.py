@@ -97,16 +97,17 @@ def test_causal_conv_matches_conv1d(S: int) -> None:
 def test_compiled_16bit_conv_sums_taps_in_fp32(S: int) -> None:
     """train.compile's bf16 conv (one compiled kernel each way): output and both gradients those of
     fp32 arithmetic on the same bf16 values, rounded (a tap shifted the wrong way is off by O(1))."""
-    from hyperpar.models.layers import gated_deltanet as gd
+    from hyperpar.models.layers import compiled
 
     torch.manual_seed(0)
     C, K = 24, 4
     x = torch.randn(2, S, C).bfloat16().requires_grad_()
     w = (torch.randn(C, 1, K) * 0.5).bfloat16().requires_grad_()
     go = torch.randn(2, S, C).bfloat16()
+    compiled.clear()
     out = causal_depthwise_conv1d(x, w, compiled=True)
     out.backward(go)
-    assert set(gd._fused_convs) == {"forward", "backward"} and out.dtype == torch.bfloat16
+    assert compiled.compiled_names() == {"_conv_forward", "_conv_backward"} and out.dtype == torch.bfloat16
     ref, dx64, dw64 = conv1d_float64(x, w, go)
     scale = ref.abs().max().item()
     assert (out.double() - ref).abs().max().item() <= 2 * 2**-8 * scale  # two bf16 roundings (pre, silu)
@@ -119,17 +120,17 @@ def test_compiled_16bit_conv_sums_taps_in_fp32(S: int) -> None:
 def test_compiled_fp32_conv_matches_float64(S: int) -> None:
     """train.compile's fp32 conv (the tap-major weight, one padded range per tap): output and both
     gradients those of float64 arithmetic to fp32 rounding (a tap or weight row swapped is off by O(1))."""
-    from hyperpar.models.layers import gated_deltanet as gd
+    from hyperpar.models.layers import compiled
 
     torch.manual_seed(1)
     C, K = 40, 4
     x = torch.randn(2, S, C, requires_grad=True)
     w = torch.randn(C, 1, K, requires_grad=True)
     go = torch.randn(2, S, C)
-    gd._fused_convs.clear()
+    compiled.clear()
     out = causal_depthwise_conv1d(x, w, compiled=True)
     out.backward(go)
-    assert set(gd._fused_convs) == {"forward", "backward"}
+    assert compiled.compiled_names() == {"_conv_forward", "_conv_backward"}
     ref, dx64, dw64 = conv1d_float64(x, w, go)
     assert (out.double() - ref).abs().max().item() <= 1e-5
     for got, want in ((x.grad, dx64), (w.grad, dw64)):

@@ -26,11 +26,11 @@ H200); a compiled kernel there is unmeasured.
 
 from __future__ import annotations
 
-import functools
 
 import torch
 
 from hyperpar.models.layers import onednn_gemm
+from hyperpar.models.layers.compiled import compile_once
 from hyperpar.unfilled import empty_unfilled
 
 IGNORE_INDEX = -100
@@ -73,25 +73,19 @@ def _loss_only(x: torch.Tensor, safe: torch.Tensor, scale: torch.Tensor) -> torc
     return _loss_gradient_math(x, safe, scale)[1]
 
 
-@functools.cache
-def _compiled(fn):
-    """``fn`` through torch.compile, once per process. Shapes as torch.compile's default: the first
-    chunk's static, the next row count (a ragged last chunk, another micro-batch size) recompiles once
-    with the rows dynamic, which measured as fast (33 ms for dense_small's bf16 logits either way);
-    no recompile per shape."""
-    return torch.compile(fn)
-
-
 def _compiles(x: torch.Tensor, compiled: bool) -> bool:
     return compiled and x.device.type == "cpu"
 
 
 def _compiled_rows(x: torch.Tensor, safe: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
     """``_loss_and_gradient_`` for a chunk of rows through the compiled kernels: each row's loss and,
-    with ``out``, its gradient written there."""
+    with ``out``, its gradient written there. torch.compile's default shapes: the first chunk's
+    static, the next row count (a ragged last chunk, another micro-batch size) recompiled once with
+    the rows dynamic, which measured as fast (33 ms for dense_small's bf16 logits either way); no
+    recompile per shape."""
     if out is None:
-        return _compiled(_loss_only)(x, safe, scale)
-    return _compiled(_loss_gradient_into)(x, safe, scale, out)
+        return compile_once(_loss_only)(x, safe, scale)
+    return compile_once(_loss_gradient_into)(x, safe, scale, out)
 
 
 def _loss_and_gradient_(x: torch.Tensor, safe: torch.Tensor, scale: torch.Tensor, grad: bool) -> torch.Tensor:

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hyperpar.models.layers.compiled import compile_once
 from hyperpar.models.layers.cpu_matmul import Linear
 from hyperpar.models.layers.documents import Documents
 from hyperpar.models.layers.local import local
@@ -131,7 +132,6 @@ def _conv_backward(grad_out: torch.Tensor, x: torch.Tensor, wt: torch.Tensor, y:
     return dx.to(x.dtype), dwt.to(wt.dtype)
 
 
-_fused_convs: dict[str, object] = {}
 _FUSED_CONV_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -141,10 +141,7 @@ def _fused_conv(which: str):
     in-place fp32 taps are K passes each way; compiled, the forward is one pass and the backward two
     (dx, then the K weight sums together). (2, 1024, 512) forward and backward on 2 AMD cores: bf16
     8.9 ms eager, 2.4 compiled; fp32 5.8 eager, 3.5 compiled."""
-    if which not in _fused_convs:
-        fn = _conv_forward if which == "forward" else _conv_backward
-        _fused_convs[which] = torch.compile(fn, dynamic=False)
-    return _fused_convs[which]
+    return compile_once(_conv_forward if which == "forward" else _conv_backward, dynamic=False)
 
 
 def causal_depthwise_conv1d(
@@ -346,17 +343,11 @@ def recurrent_gated_delta_rule(
     return torch.stack(outs, dim=1).to(out_dtype)
 
 
-_compiled_rule = None
-
-
 def compiled_chunk_gated_delta_rule():
     """``chunk_gated_delta_rule`` through ``torch.compile`` (one graph per input shape and document
     mode; the chunk scan unrolls into it). Inductor fuses the element-wise work between the batched
     matmuls: about half the eager time of the rule on CPU (docs/guide/performance.md)."""
-    global _compiled_rule
-    if _compiled_rule is None:
-        _compiled_rule = torch.compile(chunk_gated_delta_rule, dynamic=False)
-    return _compiled_rule
+    return compile_once(chunk_gated_delta_rule, dynamic=False)
 
 
 def delta_rule_macs_per_token(num_value_heads: int, key_dim: int, value_dim: int, chunk: int = 64) -> float:
