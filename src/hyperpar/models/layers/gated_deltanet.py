@@ -115,11 +115,17 @@ def _conv_forward(x: torch.Tensor, wt: torch.Tensor, silu: bool) -> tuple[torch.
     return y, (F.silu(y) if silu else y)
 
 
+_CONV_W_ROWS = 64  # rows per partial weight-gradient sum (64 x 1024 channels x fp32: 256 KB an operand)
+
+
 def _conv_backward(grad_out: torch.Tensor, x: torch.Tensor, wt: torch.Tensor, y: torch.Tensor,
                    silu: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx, dwt): the input's gradient and the weight's, tap-major (K, C) as ``wt``. The K weight
     sums run over one range (the padded x), so inductor makes them one pass with K accumulators
-    (over K slices of different lengths they were K passes)."""
+    (over K slices of different lengths they were K passes). Each sum runs over blocks of
+    ``_CONV_W_ROWS`` rows first, then over the blocks: summed down whole columns, inductor's loop
+    strode 4 KB (a row) per load through every (B·S, C) operand; per block it stays in cache.
+    (2, 1024, 1024) on 2 AMD cores, median backward: fp32 6.5 -> 4.7 ms, bf16 4.3 -> 3.1 ms."""
     K, S = wt.shape[0], x.shape[1]
     dy = (torch.ops.aten.silu_backward(grad_out, y) if silu else grad_out).float()
     wf = wt.float()
@@ -128,8 +134,16 @@ def _conv_backward(grad_out: torch.Tensor, x: torch.Tensor, wt: torch.Tensor, y:
     for s in range(1, K):
         dx = dx + dp[:, s:s + S] * wf[K - 1 - s]
     xp = F.pad(x.float(), (0, 0, K - 1, 0))
-    dwt = torch.stack([(dy * xp[:, k:k + S]).sum((0, 1)) for k in range(K)], dim=0)
+    T, C, R = x.shape[0] * S, x.shape[2], _CONV_W_ROWS
+    blocks = -(-T // R)
+
+    def column_sums(t: torch.Tensor) -> torch.Tensor:  # (B, S, C) -> (blocks, C); zero rows pad the last
+        t = t.reshape(T, C)
+        return (F.pad(t, (0, 0, 0, blocks * R - T)) if blocks * R > T else t).view(blocks, R, C).sum(1)
+
+    dwt = torch.stack([column_sums(dy * xp[:, k:k + S]) for k in range(K)], dim=0).sum(1)
     return dx.to(x.dtype), dwt.to(wt.dtype)
+
 
 
 _FUSED_CONV_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
