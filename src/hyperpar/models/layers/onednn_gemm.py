@@ -156,7 +156,7 @@ class _OneDnnLinear(torch.autograd.Function):
         if need_w:
             # oneDNN's input must be contiguous, so one operand is copied transposed: gᵀ for gᵀ x, or
             # xᵀ and the (in x out) result for (xᵀ g)ᵀ. Whichever copies fewer elements: (xᵀ g)ᵀ for
-            # an output wider than the input (a 512 -> 1536 projection: 1.8M against 3.1M elements
+            # (about) an output wider than the input (a 512 -> 1536 projection: 1.8M against 3.1M elements
             # at 2048 tokens; the 32000-row head, which also runs faster so: ~190 against ~120
             # GFLOP/s), gᵀ x otherwise. The GEMMs run as fast either way at 1536 outputs.
             # Compiled (train.compile), the transposed operand is made so here, by inductor's tiled
