@@ -26,7 +26,6 @@ H200); a compiled kernel there is unmeasured.
 
 from __future__ import annotations
 
-
 import torch
 
 from hyperpar.models.layers import onednn_gemm
