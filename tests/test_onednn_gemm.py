@@ -113,6 +113,39 @@ def test_experts_loop_through_onednn(policy):
     assert torch.all(got[2][1] == 0) and torch.all(got[4][1] == 0)  # the empty expert: zero gradient
 
 
+def test_experts_loop_feeds_onednn_whole_row_quanta(policy, monkeypatch):
+    # Routed row counts change every step; oneDNN's temporaries follow the rows it is fed, so it gets
+    # a multiple of 64 rows and the rest separately (moe._ROW_QUANTUM: the heap reuses those sizes).
+    # The split must not change the numbers beyond rounding: experts of 0, < 64, 64k and 64k + r rows.
+    from hyperpar.models.layers import moe
+
+    torch.manual_seed(4)
+    counts = torch.tensor([0, 37, 128, 200, 131])
+    N, H, Ie = int(counts.sum()), 48, 40
+    x, grad = torch.randn(N, H), torch.randn(N, H)
+    ws = torch.randn(5, Ie, H) / 7, torch.randn(5, Ie, H) / 7, torch.randn(5, H, Ie) / 7
+    rows_fed = []
+    mm = onednn_gemm.mm
+    monkeypatch.setattr(onednn_gemm, "mm", lambda a, b: rows_fed.append(a.shape[0]) or mm(a, b))
+
+    def run(dtype=torch.float32):
+        ts = [t.to(dtype).clone().requires_grad_() for t in (x, *ws)]
+        y = moe.experts_forward(ts[0], counts, *ts[1:], impl="loop")
+        y.backward(grad.to(dtype))
+        return [y.detach()] + [t.grad for t in ts]
+
+    policy("onednn")
+    got = run()
+    q = moe._ROW_QUANTUM
+    assert 192 in rows_fed and all(r < q or r % q == 0 for r in rows_fed)  # 200 rows fed as 192 + 8
+    policy("blas")
+    blas = run()
+    ref = run(torch.float64)
+    for a, b, r in zip(got, blas, ref):
+        assert _rel(a, r) <= max(4 * _rel(b, r), 1e-6)
+    assert all(torch.all(g[0] == 0) for g in got[2:])  # the empty expert: zero gradient, though its block starts unfilled
+
+
 def test_other_dtypes_and_blas_keep_f_linear(policy):
     lin = Linear(16, 8).to(torch.bfloat16)
     assert not onednn_gemm.applies(torch.randn(2, 16, dtype=torch.bfloat16), lin.weight, lin.bias)
