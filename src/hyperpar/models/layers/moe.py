@@ -304,12 +304,15 @@ def _mm_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
         torch.mm(a, b, out=out)
 
 
-# oneDNN's GEMM allocates its own output (and a transposed copy of a transposed input), so a loop
-# over experts makes temporaries whose sizes follow each step's routing. glibc's heap, which keeps
-# freed memory (``launch.host_allocator=retain``), fragments on sizes that never repeat: moe_small's
-# fp32 step grew its peak RSS 3.0 -> 4.9 GB over 16 steps with 16-56k page faults a step. Rows are
-# fed in a multiple of ``_ROW_QUANTUM`` plus the rest (< 64 rows, small), so the big temporaries come
-# in a few sizes that freed blocks fit again: 4.0 GB, no faults after the third step.
+# oneDNN (fp32 through ``onednn_gemm``, 16-bit through torch's mm) allocates its own output,
+# reorders and transposed copies, so a loop over experts makes temporaries whose sizes follow each
+# step's routing. glibc's heap, which keeps freed memory (``launch.host_allocator=retain``),
+# fragments on sizes that never repeat: moe_small's fp32 step grew its peak RSS 3.0 -> 4.9 GB over
+# 16 steps with 16-56k page faults a step. So each expert's rows go in as a multiple of
+# ``_ROW_QUANTUM`` and the rest (< 64 rows, small temporaries), and the weight gradient, whose
+# sum runs over the rows, as two GEMMs summed in fp32, or in 16 bits as one GEMM over operands
+# zero-padded to whole quanta (one rounding, as unpadded): the big temporaries come in a few sizes
+# that freed blocks fit again (fp32: 4.0 GB, no faults after the third step).
 _ROW_QUANTUM = 64
 
 
@@ -320,13 +323,35 @@ def _row_pieces(n: int, quantum: int) -> list[tuple[int, int]]:
 
 
 def _quantum(x: torch.Tensor) -> int:
-    # only where the GEMMs go through oneDNN: the BLAS writes into the slices, no temporaries
-    return _ROW_QUANTUM if x.dtype == torch.float32 and x.device.type == "cpu" and onednn_gemm.uses_onednn() else 0
+    # a CPU's fp32 through the BLAS writes into the slices: no temporaries there
+    if x.device.type != "cpu" or (x.dtype == torch.float32 and not onednn_gemm.uses_onednn()):
+        return 0
+    return _ROW_QUANTUM
+
+
+def _weight_grad_into(g: torch.Tensor, x: torch.Tensor, out: torch.Tensor, quantum: int) -> None:
+    """``out = gᵀ x`` over one expert's rows, in whole quanta where ``quantum`` (above)."""
+    n = g.shape[0]
+    rest = n % quantum if quantum else 0
+    if not rest or n < quantum:
+        _mm_into(g.t(), x, out)
+    elif g.dtype == torch.float32:  # fp32 sums: the split changes only their order
+        _mm_into(g[: n - rest].t(), x[: n - rest], out)
+        out.addmm_(g[n - rest :].t(), x[n - rest :])
+    else:
+        padded = n - rest + quantum
+        gt = empty_unfilled((g.shape[1], padded), g.dtype, g.device)
+        gt[:, n:].zero_()
+        gt[:, :n].copy_(g.t())
+        xp = empty_unfilled((padded, x.shape[1]), x.dtype, x.device)
+        xp[n:].zero_()
+        xp[:n].copy_(x)
+        _mm_into(gt, xp, out)
 
 
 class _LoopLinear(torch.autograd.Function):
-    """Same as ``_GroupedLinear`` with one mm per non-empty expert on contiguous slices (on the
-    oneDNN path two per expert, see ``_ROW_QUANTUM``; the weight gradient sums both)."""
+    """Same as ``_GroupedLinear`` with one mm per non-empty expert on contiguous slices (on a CPU in
+    whole ``_ROW_QUANTUM`` row blocks and the rest)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, w: torch.Tensor, sizes: list[int]) -> torch.Tensor:  # type: ignore[override]
@@ -349,16 +374,13 @@ class _LoopLinear(torch.autograd.Function):
         dw = empty_unfilled(w.shape, w.dtype, w.device) if ctx.needs_input_grad[1] else None
         start = 0
         for e, n in enumerate(ctx.sizes):
-            if dw is not None and n == 0:
+            if dx is not None:
+                for a, b in _row_pieces(n, ctx.quantum):
+                    _mm_into(g[start + a : start + b], w[e], dx[start + a : start + b])
+            if dw is not None and n:
+                _weight_grad_into(g[start : start + n], x[start : start + n], dw[e], ctx.quantum)
+            elif dw is not None:
                 dw[e].zero_()
-            for a, b in _row_pieces(n, ctx.quantum):
-                gs, xs = g[start + a : start + b], x[start + a : start + b]
-                if dx is not None:
-                    _mm_into(gs, w[e], dx[start + a : start + b])
-                if dw is not None and a == 0:
-                    _mm_into(gs.t(), xs, dw[e])
-                elif dw is not None:  # fp32 (the oneDNN path): the rest's rows added in place
-                    dw[e].addmm_(gs.t(), xs)
             start += n
         return dx, dw, None
 
@@ -380,9 +402,9 @@ def experts_forward(
     impl: "grouped" (``torch._grouped_mm``), "loop" (one mm per non-empty expert) or "auto".
     """
     if impl == "auto":
-        # fp32 where oneDNN's GEMM is the faster (launch.cpu_gemm): the loop, whose mm goes through it
-        onednn = onednn_gemm.applies(x, w_gate[0], None)
-        impl = "grouped" if grouped_mm_supported(x, w_gate, w_down) and not onednn else "loop"
+        # a CPU's oneDNN GEMMs (fp32 under launch.cpu_gemm, 16-bit): the loop, in row quanta
+        # (``_ROW_QUANTUM``; torch's grouped GEMM fragments the heap as the plain loop did)
+        impl = "grouped" if grouped_mm_supported(x, w_gate, w_down) and not _quantum(w_gate) else "loop"
     if x.dtype != w_gate.dtype:  # e.g. fp32 activations reaching bf16 expert weights
         x = x.to(w_gate.dtype)
     if impl == "grouped":
