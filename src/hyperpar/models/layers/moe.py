@@ -40,9 +40,9 @@ from torch import nn
 
 from hyperpar.models.layers import onednn_gemm
 from hyperpar.models.layers.cpu_matmul import Linear, linear, upcast
-from hyperpar.unfilled import empty_unfilled
 from hyperpar.models.layers.local import local
 from hyperpar.models.layers.mlp import SwiGLUMLP
+from hyperpar.unfilled import empty_unfilled
 
 __all__ = [
     "GroupedExperts",
@@ -323,10 +323,13 @@ def _row_pieces(n: int, quantum: int) -> list[tuple[int, int]]:
 
 
 def _quantum(x: torch.Tensor) -> int:
-    # a CPU's fp32 through the BLAS writes into the slices: no temporaries there
-    if x.device.type != "cpu" or (x.dtype == torch.float32 and not onednn_gemm.uses_onednn()):
+    # where a CPU's expert GEMMs are oneDNN's: fp32 under launch.cpu_gemm, 16-bit through torch's mm
+    # (fp32 and fp64 through the BLAS write into the slices: no temporaries there)
+    if x.device.type != "cpu":
         return 0
-    return _ROW_QUANTUM
+    if x.dtype == torch.float32:
+        return _ROW_QUANTUM if onednn_gemm.uses_onednn() else 0
+    return _ROW_QUANTUM if x.dtype in (torch.bfloat16, torch.float16) else 0
 
 
 def _weight_grad_into(g: torch.Tensor, x: torch.Tensor, out: torch.Tensor, quantum: int) -> None:
@@ -338,7 +341,7 @@ def _weight_grad_into(g: torch.Tensor, x: torch.Tensor, out: torch.Tensor, quant
     elif g.dtype == torch.float32:  # fp32 sums: the split changes only their order
         _mm_into(g[: n - rest].t(), x[: n - rest], out)
         out.addmm_(g[n - rest :].t(), x[n - rest :])
-    else:
+    else:  # 16-bit: summed in two parts the gradient would be rounded twice
         padded = n - rest + quantum
         gt = empty_unfilled((g.shape[1], padded), g.dtype, g.device)
         gt[:, n:].zero_()
