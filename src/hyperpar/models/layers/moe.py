@@ -312,7 +312,7 @@ def _mm_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
 # ``_ROW_QUANTUM`` and the rest (< 64 rows, small temporaries), and the weight gradient, whose
 # sum runs over the rows, as two GEMMs summed in fp32, or in 16 bits as one GEMM over operands
 # zero-padded to whole quanta (one rounding, as unpadded): the big temporaries come in a few sizes
-# that freed blocks fit again (fp32: 4.0 GB, no faults after the third step).
+# that freed blocks fit again (fp32: 4.0-4.3 GB, faults rare after the third step).
 _ROW_QUANTUM = 64
 
 
