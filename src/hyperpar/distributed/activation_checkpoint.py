@@ -15,6 +15,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from hyperpar.errors import ConfigError
+from hyperpar.models.layers import moe, onednn_gemm  # noqa: F401  (register hyperpar's GEMM ops)
 
 MODES = ("none", "full", "selective")
 
@@ -27,6 +28,12 @@ _SAVE_OPS = {
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
     torch.ops.aten.linalg_solve_triangular.default,
 }
+# Our own GEMM ops (fp32 linears on AMD CPUs, launch.cpu_gemm; the experts' loop) and torch's
+# grouped GEMM (the experts) are dispatched as themselves, not as ``aten.mm``: left out, selective
+# checkpointing recomputed every one of those GEMMs, as ``full`` does.
+_SAVE_OPS.update({torch.ops.hyperpar.onednn_gemm.default, torch.ops.hyperpar.expert_loop_mm.default})
+if hasattr(torch.ops.aten, "_grouped_mm"):
+    _SAVE_OPS.add(torch.ops.aten._grouped_mm.default)
 
 
 # Profiler bookkeeping (``record_function`` enter/exit) is no computation, but it is dispatched:

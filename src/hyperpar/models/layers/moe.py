@@ -352,19 +352,40 @@ def _weight_grad_into(g: torch.Tensor, x: torch.Tensor, out: torch.Tensor, quant
         _mm_into(gt, xp, out)
 
 
+# The loop's forward as one op of its own: its GEMMs write into slices of one output (``mm`` with
+# ``out=``), which selective activation checkpointing cannot keep (a kept in-place result would not be
+# written into the recompute's buffer), so it recomputed them; this op's output it keeps
+# (``distributed/activation_checkpoint.py``). Any device: the kernel is made of torch's own ops.
+_LIB = torch.library.Library("hyperpar", "FRAGMENT")
+_LIB.define("expert_loop_mm(Tensor x, Tensor w, int[] sizes, int quantum) -> Tensor")
+
+
+def _expert_loop_mm(x: torch.Tensor, w: torch.Tensor, sizes: list[int], quantum: int) -> torch.Tensor:
+    out = empty_unfilled((x.shape[0], w.shape[1]), x.dtype, x.device)  # every row written below
+    start = 0
+    for e, n in enumerate(sizes):
+        for a, b in _row_pieces(n, quantum):
+            _mm_into(x[start + a : start + b], w[e].t(), out[start + a : start + b])
+        start += n
+    return out
+
+
+_LIB.impl("expert_loop_mm", _expert_loop_mm, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("hyperpar::expert_loop_mm")
+def _(x: torch.Tensor, w: torch.Tensor, sizes: list[int], quantum: int) -> torch.Tensor:
+    return x.new_empty(x.shape[0], w.shape[1])
+
+
 class _LoopLinear(torch.autograd.Function):
     """Same as ``_GroupedLinear`` with one mm per non-empty expert on contiguous slices (on a CPU in
     whole ``_ROW_QUANTUM`` row blocks and the rest)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, w: torch.Tensor, sizes: list[int]) -> torch.Tensor:  # type: ignore[override]
-        out = empty_unfilled((x.shape[0], w.shape[1]), x.dtype, x.device)  # every row written below
         q = _quantum(x)
-        start = 0
-        for e, n in enumerate(sizes):
-            for a, b in _row_pieces(n, q):
-                _mm_into(x[start + a : start + b], w[e].t(), out[start + a : start + b])
-            start += n
+        out = torch.ops.hyperpar.expert_loop_mm(x, w, sizes, q)
         ctx.sizes, ctx.quantum = sizes, q
         ctx.save_for_backward(x, w)
         return out

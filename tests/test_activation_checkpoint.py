@@ -1,0 +1,95 @@
+"""Selective activation checkpointing keeps every GEMM's output, whichever op runs the GEMM: torch's
+``mm``, our oneDNN op (``launch.cpu_gemm``) or torch's grouped GEMM (the experts). A GEMM op missing
+from the save policy is recomputed in the backward, which makes ``selective`` cost what ``full``
+costs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from hyperpar.distributed.activation_checkpoint import wrap_block
+from hyperpar.models.layers import onednn_gemm
+from hyperpar.models.layers.cpu_matmul import Linear
+from hyperpar.models.layers.moe import experts_forward, grouped_mm_supported
+
+GEMMS = ("aten.mm", "aten.addmm", "aten.bmm", "hyperpar.onednn_gemm", "hyperpar.expert_loop_mm", "aten._grouped_mm")
+
+
+class _CountGemms(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if str(func.overloadpacket) in GEMMS:
+            self.calls += 1
+        return func(*args, **(kwargs or {}))
+
+
+class _Mlp(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = Linear(32, 64, bias=False)
+        self.down = Linear(64, 32, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.silu(self.up(x)))
+
+
+class _Experts(nn.Module):
+    def __init__(self, impl: str) -> None:
+        super().__init__()
+        self.impl = impl
+        self.w_gate = nn.Parameter(torch.randn(4, 16, 32) / 6)
+        self.w_up = nn.Parameter(torch.randn(4, 16, 32) / 6)
+        self.w_down = nn.Parameter(torch.randn(4, 32, 16) / 4)
+        self.register_buffer("counts", torch.tensor([5, 0, 7, 4]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return experts_forward(x, self.counts, self.w_gate, self.w_up, self.w_down, impl=self.impl)
+
+
+def _gemms_and_grads(block: nn.Module, mode: str, x: torch.Tensor):
+    block.zero_grad(set_to_none=True)
+    model = block if mode == "none" else wrap_block(block, mode)
+    x = x.detach().clone().requires_grad_()
+    with _CountGemms() as count:
+        model(x).square().sum().backward()
+    return count.calls, [x.grad, *(p.grad for p in block.parameters())]
+
+
+def _check(block: nn.Module, x: torch.Tensor) -> None:
+    none, ref = _gemms_and_grads(block, "none", x)
+    selective, grads = _gemms_and_grads(block, "selective", x)
+    full, _ = _gemms_and_grads(block, "full", x)
+    assert full > none > 0  # the count sees the recomputed forward
+    assert selective == none, f"selective recomputed {selective - none} GEMM(s)"
+    for a, b in zip(grads, ref):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("policy", ["blas", "onednn"])
+def test_selective_recomputes_no_linear_gemm(monkeypatch, policy):
+    if policy == "onednn" and not onednn_gemm.available():
+        pytest.skip("torch built without oneDNN")
+    monkeypatch.setattr(onednn_gemm, "_MIN_MACS", 0)  # the small GEMMs here take the oneDNN path too
+    before = onednn_gemm.set_policy(policy)
+    try:
+        torch.manual_seed(0)
+        _check(_Mlp(), torch.randn(2, 24, 32))
+    finally:
+        onednn_gemm.set_policy(before)
+
+
+@pytest.mark.parametrize("impl", ["grouped", "loop"])
+def test_selective_recomputes_no_expert_gemm(impl):
+    torch.manual_seed(0)
+    block = _Experts(impl)
+    x = torch.randn(16, 32)
+    if impl == "grouped" and not grouped_mm_supported(x, block.w_gate, block.w_down):
+        pytest.skip("no torch._grouped_mm for fp32 on this device")
+    _check(block, x)
