@@ -14,9 +14,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from hyperpar.distributed.activation_checkpoint import wrap_block
 from hyperpar.models.layers import onednn_gemm
 from hyperpar.models.layers.cpu_matmul import Linear
+from hyperpar.models.layers.gated_deltanet import chunk_gated_delta_rule
 from hyperpar.models.layers.moe import experts_forward, grouped_mm_supported
 
-GEMMS = ("aten.mm", "aten.addmm", "aten.bmm", "hyperpar.onednn_gemm", "hyperpar.expert_loop_mm", "aten._grouped_mm")
+GEMMS = ("aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm", "hyperpar.onednn_gemm", "hyperpar.expert_loop_mm", "aten._grouped_mm")
 
 
 class _CountGemms(TorchDispatchMode):
@@ -51,6 +52,21 @@ class _Experts(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return experts_forward(x, self.counts, self.w_gate, self.w_up, self.w_down, impl=self.impl)
+
+
+class _DeltaRule(nn.Module):
+    """The chunked delta rule on projections of x: its chunk scan's state updates are ``baddbmm``s."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Parameter(torch.randn(3, 16, 16) / 4)
+        self.gates = nn.Parameter(torch.randn(2, 16, 2) / 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, S = x.shape[:2]
+        q, k, v = (torch.matmul(x, w).view(B, S, 2, 8) for w in self.proj)
+        g, beta = torch.matmul(x, self.gates[0]), torch.matmul(x, self.gates[1])
+        return chunk_gated_delta_rule(q, k, v, -F.softplus(g), beta.sigmoid(), chunk_size=8)
 
 
 def _gemms_and_grads(block: nn.Module, mode: str, x: torch.Tensor):
@@ -93,3 +109,8 @@ def test_selective_recomputes_no_expert_gemm(impl):
     if impl == "grouped" and not grouped_mm_supported(x, block.w_gate, block.w_down):
         pytest.skip("no torch._grouped_mm for fp32 on this device")
     _check(block, x)
+
+
+def test_selective_recomputes_no_delta_rule_gemm():
+    torch.manual_seed(0)
+    _check(_DeltaRule(), torch.randn(2, 40, 16))
