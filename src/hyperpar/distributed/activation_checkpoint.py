@@ -35,6 +35,16 @@ _SAVE_OPS = {
 _SAVE_OPS.update({torch.ops.hyperpar.onednn_gemm.default, torch.ops.hyperpar.expert_loop_mm.default})
 if hasattr(torch.ops.aten, "_grouped_mm"):
     _SAVE_OPS.add(torch.ops.aten._grouped_mm.default)
+# The attention kernels SDPA may pick on a GPU, and the varlen kernel of packed documents (an op of
+# torch's own, ``torch_attn::_varlen_attn``, registered when its module is imported).
+if hasattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention"):
+    _SAVE_OPS.add(torch.ops.aten._scaled_dot_product_cudnn_attention.default)
+try:
+    import torch.nn.attention.varlen  # noqa: F401
+
+    _SAVE_OPS.add(torch.ops.torch_attn._varlen_attn.default)
+except (ImportError, AttributeError):  # an older torch: no varlen kernel to keep
+    pass
 
 
 # Profiler bookkeeping (``record_function`` enter/exit) is no computation, but it is dispatched:
