@@ -1,7 +1,7 @@
-"""Selective activation checkpointing keeps every GEMM's output, whichever op runs the GEMM: torch's
-``mm``, our oneDNN op (``launch.cpu_gemm``) or torch's grouped GEMM (the experts). A GEMM op missing
-from the save policy is recomputed in the backward, which makes ``selective`` cost what ``full``
-costs."""
+"""Selective activation checkpointing keeps the output of every GEMM and attention kernel, whichever
+op runs it: torch's ``mm``/``bmm``/``baddbmm``, our oneDNN op (``launch.cpu_gemm``), the experts'
+grouped GEMM or loop op, SDPA's kernels, the varlen kernel of packed documents. An op missing from
+the save policy is recomputed in the backward, which makes ``selective`` cost what ``full`` costs."""
 
 from __future__ import annotations
 
@@ -23,10 +23,11 @@ from hyperpar.models.layers.moe import experts_forward, grouped_mm_supported
 ATTENTION = ("aten._scaled_dot_product_flash_attention_for_cpu", "aten._scaled_dot_product_flash_attention",
              "aten._scaled_dot_product_efficient_attention", "aten._scaled_dot_product_cudnn_attention",
              "torch_attn._varlen_attn")
-GEMMS = ("aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm", "hyperpar.onednn_gemm", "hyperpar.expert_loop_mm", "aten._grouped_mm")
+GEMMS = ("aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm", "hyperpar.onednn_gemm", "hyperpar.expert_loop_mm",
+         "aten._grouped_mm")
 
 
-class _CountGemms(TorchDispatchMode):
+class _CountCalls(TorchDispatchMode):
     def __init__(self, names: tuple[str, ...] = GEMMS) -> None:
         super().__init__()
         self.names = names
@@ -76,19 +77,19 @@ class _DeltaRule(nn.Module):
         return chunk_gated_delta_rule(q, k, v, -F.softplus(g), beta.sigmoid(), chunk_size=8)
 
 
-def _gemms_and_grads(block: nn.Module, mode: str, x: torch.Tensor, names: tuple[str, ...] = GEMMS):
+def _calls_and_grads(block: nn.Module, mode: str, x: torch.Tensor, names: tuple[str, ...] = GEMMS):
     block.zero_grad(set_to_none=True)
     model = block if mode == "none" else wrap_block(block, mode)
     x = x.detach().clone().requires_grad_()
-    with _CountGemms(names) as count:
+    with _CountCalls(names) as count:
         model(x).square().sum().backward()
     return count.calls, [x.grad, *(p.grad for p in block.parameters())]
 
 
 def _check(block: nn.Module, x: torch.Tensor, names: tuple[str, ...] = GEMMS) -> None:
-    none, ref = _gemms_and_grads(block, "none", x, names)
-    selective, grads = _gemms_and_grads(block, "selective", x, names)
-    full, _ = _gemms_and_grads(block, "full", x, names)
+    none, ref = _calls_and_grads(block, "none", x, names)
+    selective, grads = _calls_and_grads(block, "selective", x, names)
+    full, _ = _calls_and_grads(block, "full", x, names)
     assert full > none > 0  # the count sees the recomputed forward
     assert selective == none, f"selective recomputed {selective - none} kernel call(s)"
     for a, b in zip(grads, ref):  # a GPU's attention backward may sum in a different order run to run
