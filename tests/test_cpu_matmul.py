@@ -108,6 +108,37 @@ def test_auto_follows_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
         cpu_matmul.set_policy("tf32")
 
 
+@pytest.mark.parametrize("vendor,flags,machine,slow", [
+    ("GenuineIntel", {"avx512f", "avx512_bf16"}, "x86_64", True),  # AVX-512 bf16 dot products, no AMX
+    ("GenuineIntel", {"avx512f", "avx512bw"}, "x86_64", True),  # bf16 emulated on AVX-512
+    ("GenuineIntel", {"avx512f", "avx512_bf16", "amx_bf16", "amx_tile"}, "x86_64", False),
+    ("AuthenticAMD", {"avx512f", "avx512_bf16"}, "x86_64", False),  # Zen 4: bf16 at twice fp32's rate
+    ("GenuineIntel", set(), "x86_64", False),  # flags unknown: oneDNN's report alone
+    ("", {"bf16", "sve"}, "aarch64", False),
+])
+def test_auto_upcasts_bf16_where_the_cpus_bf16_gemm_is_slower(monkeypatch: pytest.MonkeyPatch, vendor: str,
+                                                              flags: set[str], machine: str, slow: bool) -> None:
+    monkeypatch.setattr(cpu_matmul, "_cpu_flags", lambda: frozenset(flags))
+    monkeypatch.setattr(onednn_gemm, "_cpu_vendor", lambda: vendor)
+    monkeypatch.setattr(cpu_matmul.platform, "machine", lambda: machine)
+    monkeypatch.setattr(cpu_matmul, "_probe_half_gemm", lambda dtype: True)  # oneDNN has both GEMMs
+    cpu_matmul.slow_bf16_gemm.cache_clear()
+    try:
+        assert cpu_matmul.slow_bf16_gemm() is slow
+        assert cpu_matmul.native_half_gemm(torch.bfloat16) is not slow
+        assert cpu_matmul.native_half_gemm(torch.float16)  # fp16 follows oneDNN's report alone
+        t = torch.zeros(2, dtype=torch.bfloat16)
+        with policy("auto"):
+            assert cpu_matmul.upcast(t) is slow
+            assert not cpu_matmul.upcast(t.half())
+            line = cpu_matmul.describe(torch.bfloat16)
+            assert (line is not None and "slower than its fp32 GEMM" in line) if slow else line is None
+        with policy("native"):
+            assert not cpu_matmul.upcast(t)
+    finally:
+        cpu_matmul.slow_bf16_gemm.cache_clear()
+
+
 def test_whole_model_bf16_as_close_to_fp32_as_native() -> None:
     """The tiny dense model in bf16, forward and backward: the fp32-GEMM path lands as close to the fp32
     model as torch's bf16 GEMM does (logits and every parameter gradient)."""

@@ -6,16 +6,28 @@ torch's CPU bf16 GEMM falls back to slow paths: measured on such a 2-core host, 
 8-127x slower grouped GEMMs, against ~160 GFLOP/s for the same GEMM in fp32. There a bf16 step takes
 minutes.
 
+Intel CPUs without AMX have a bf16 GEMM that is slower than their fp32 one: AVX-512 bf16's dot
+product instruction does as many multiply-adds a cycle as the fp32 FMAs do (half the values per
+instruction, one port instead of two), and oneDNN's bf16 kernels add conversions on top. Measured on
+2 cores of an Intel Xeon with AVX-512 bf16 and fp16 but no AMX, 2 threads, dense_small's linear
+shapes: 177-184 GFLOP/s bf16 against 277-357 fp32 (bf16 SDPA 21 ms against 14 fp32); a bf16 training
+step took 3.9 s native against 2.5 s with fp32 GEMMs, where fp32 training itself took 2.3-2.5 s.
+On an AMD CPU with AVX-512 bf16 (Zen 4) the same instruction runs at twice the fp32 rate (bf16 peak
+~2x fp32), and with AMX at ~6x: there the native GEMM is the faster one.
+
 The policy ``upcast`` (``train.mixed_precision.cpu_matmul``: auto | native | fp32) runs such a
 matmul as an fp32 GEMM on the 16-bit values and rounds the result back to 16 bits. That is what a
 16-bit GEMM with fp32 accumulation computes (the product of two bf16 values is exact in fp32), up
 to the order of the sums: parameters, activations, saved tensors and gradients stay 16-bit. "auto"
-does it only on a CPU that lacks the 16-bit GEMM; "native" never; "fp32" always (on CPU).
+does it on a CPU that lacks the 16-bit GEMM (as oneDNN reports it) and, for bf16, on an x86 CPU
+whose bf16 GEMM is the slower (Intel without AMX, :func:`slow_bf16_gemm`); "native" never; "fp32"
+always (on CPU).
 """
 
 from __future__ import annotations
 
 import functools
+import platform
 
 import torch
 import torch.nn.functional as F
@@ -50,11 +62,38 @@ def _probe_half_gemm(dtype: torch.dtype) -> bool:
         return True
 
 
+@functools.cache
+def _cpu_flags() -> frozenset[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:  # not Linux: nothing known, so auto trusts oneDNN's report
+        pass
+    return frozenset()
+
+
+@functools.cache
+def slow_bf16_gemm() -> bool:
+    """Whether this CPU's bf16 GEMM is slower than its fp32 one although oneDNN has one: an Intel x86
+    CPU without AMX (its bf16 runs on AVX-512 bf16 dot products, or emulated on AVX-512, at or below
+    the fp32 FMA rate; module docstring). Linux only (it reads the CPU's flags); AMD (Zen 4: bf16 at
+    twice the fp32 rate) and non-x86 CPUs keep the native GEMM."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return False
+    flags = _cpu_flags()
+    return bool(flags) and "amx_bf16" not in flags and onednn_gemm._cpu_vendor() == "GenuineIntel"
+
+
 # A constant to torch.compile: traced, the probe (an op returning a bool) broke the graph at every
 # 16-bit linear of a compiled block (30 breaks per dense_small step, each a separate compiled graph).
 @torch.compiler.assume_constant_result
 def native_half_gemm(dtype: torch.dtype) -> bool:
-    """Whether this CPU has a 16-bit GEMM of ``dtype`` (as oneDNN reports it)."""
+    """Whether this CPU has a 16-bit GEMM of ``dtype`` (as oneDNN reports it) that ``auto`` uses: for
+    bf16, not where it is slower than fp32 (:func:`slow_bf16_gemm`)."""
+    if dtype == torch.bfloat16 and slow_bf16_gemm():
+        return False
     return _probe_half_gemm(dtype)
 
 
@@ -74,7 +113,13 @@ def describe(dtype: torch.dtype) -> str | None:
     """What 16-bit CPU matmuls do (a clause of the launcher's CPU line), or None when they run natively."""
     if not _upcasts(dtype):
         return None
-    why = "this CPU has no %s GEMM (oneDNN)" % str(dtype).removeprefix("torch.") if _policy == "auto" else "cpu_matmul=fp32"
+    name = str(dtype).removeprefix("torch.")
+    if _policy != "auto":
+        why = "cpu_matmul=fp32"
+    elif _probe_half_gemm(dtype):
+        why = f"this CPU's {name} GEMM is slower than its fp32 GEMM (Intel without AMX)"
+    else:
+        why = f"this CPU has no {name} GEMM (oneDNN)"
     return f"{why}: 16-bit matmuls run as fp32 GEMMs on the 16-bit values, rounded back (train.mixed_precision.cpu_matmul)"
 
 
