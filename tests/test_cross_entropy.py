@@ -89,6 +89,46 @@ def test_linear_cross_entropy_sum_against_fp64(monkeypatch, hint_matches, compil
     assert gw.abs().max().item() > 1e-3  # the gradients compared are not vanishing
 
 
+@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("upstream", [1.0 / 43, 0.25])  # the hint, or another real gradient
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16bit_fused_head_equals_the_upcast_unfused_head(monkeypatch, dtype, upstream, compiled):
+    """A 16-bit head where the CPU's 16-bit matmuls run as fp32 GEMMs (cpu_matmul): the fused kernel
+    rounds the logits, their gradient and both input gradients to 16 bits where the unfused head (an
+    fp32-GEMM linear giving 16-bit logits, then the chunked loss) does: bitwise the same loss and
+    gradients (several chunks, a ragged last one, ignored rows). A real upstream gradient other than
+    the hint is applied after the GEMMs here, before them there: both as close to fp64."""
+    from hyperpar.models.layers import cpu_matmul
+
+    monkeypatch.setattr(ce, "_head_rows", lambda vocab, device: 7)
+    monkeypatch.setattr(ce, "_row_chunk", lambda vocab, device=None: 6)
+    before = cpu_matmul.set_policy("fp32")
+    try:
+        torch.manual_seed(3)
+        h = torch.randn(50, 24).to(dtype).requires_grad_()
+        w = (torch.randn(300, 24) * 0.5).to(dtype).requires_grad_()
+        y = torch.randint(0, 300, (50,))
+        y[::6] = -100
+        fused = ce.linear_cross_entropy_sum(h, w, y, 1.0 / 43, compiled=compiled)
+        (fused * upstream).backward()
+        gh, gw = h.grad, w.grad
+        h.grad = w.grad = None
+        unfused = ce.cross_entropy_sum(cpu_matmul.linear(h, w), y, 1.0 / 43, compiled=compiled)
+        (unfused * upstream).backward()
+    finally:
+        cpu_matmul.set_policy(before)
+    assert fused.dtype == torch.float32 and gh.dtype == dtype and gw.dtype == dtype
+    assert torch.equal(fused, unfused)
+    assert gh.abs().max().item() > 1e-3 and gw.abs().max().item() > 1e-3 and gh[::6].eq(0).all()
+    if upstream == 1.0 / 43:
+        assert torch.equal(gh, h.grad) and torch.equal(gw, w.grad)
+        return
+    _, rh, rw = _fp64_reference(h, w, y, upstream)
+    for got, want, exact in ((gh, h.grad, rh), (gw, w.grad, rw)):
+        err_fused = (got.double() - exact).abs().max().item()
+        assert err_fused <= 1.5 * (want.double() - exact).abs().max().item() + 1e-6
+
+
 def test_linear_cross_entropy_sum_equals_unfused_head_and_loss():
     """Within fp32 rounding of what the unfused path (logits, then the chunked loss) computes; the
     gradient of a frozen head weight is not formed."""

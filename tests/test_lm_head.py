@@ -64,7 +64,14 @@ def test_head_keeps_logits_where_fusing_does_not_apply():
     assert isinstance(head(x), HeadInput)
     with torch.no_grad():  # evaluation: logits
         assert head(x).shape == (2, 3, 50)
-    assert head.bfloat16()(x.bfloat16()).shape == (2, 3, 50)  # a 16-bit head (mixed precision): logits
+    from hyperpar.models.layers import cpu_matmul
+    before = cpu_matmul.set_policy("native")
+    try:  # a 16-bit head with the CPU's 16-bit GEMM: logits
+        assert head.bfloat16()(x.bfloat16()).shape == (2, 3, 50)
+        cpu_matmul.set_policy("fp32")  # its 16-bit matmuls as fp32 GEMMs: fused, rounding as the head would
+        assert isinstance(head(x.bfloat16()), HeadInput)
+    finally:
+        cpu_matmul.set_policy(before)
     head.float()
     head.fused_loss = False
     assert torch.equal(head(x), x @ head.weight.t())

@@ -67,6 +67,16 @@ def _loss_gradient_into(x: torch.Tensor, safe: torch.Tensor, scale: torch.Tensor
     return nll
 
 
+def _rounded_loss_gradient_into(x: torch.Tensor, safe: torch.Tensor, scale: torch.Tensor, out: torch.Tensor,
+                                dtype: torch.dtype) -> torch.Tensor:
+    """``_loss_gradient_into`` for fp32 logits that stand for ``dtype`` ones (a 16-bit head's GEMM run
+    in fp32): the logits rounded to ``dtype`` first, the gradient rounded to it on the way out (still
+    stored in fp32), as the 16-bit logits and their 16-bit gradient would be."""
+    g, nll = _loss_gradient_math(x.to(dtype), safe, scale)
+    out.copy_(g)
+    return nll
+
+
 def _loss_only(x: torch.Tensor, safe: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """Each row's loss only (no backward follows): inductor drops the unused gradient."""
     return _loss_gradient_math(x, safe, scale)[1]
@@ -76,12 +86,18 @@ def _compiles(x: torch.Tensor, compiled: bool) -> bool:
     return compiled and x.device.type == "cpu"
 
 
-def _compiled_rows(x: torch.Tensor, safe: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+def _compiled_rows(x: torch.Tensor, safe: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None,
+                   round_to: torch.dtype | None = None) -> torch.Tensor:
     """``_loss_and_gradient_`` for a chunk of rows through the compiled kernels: each row's loss and,
     with ``out``, its gradient written there. torch.compile's default shapes: the first chunk's
     static, the next row count (a ragged last chunk, another micro-batch size) recompiled once with
     the rows dynamic, which measured as fast (33 ms for dense_small's bf16 logits either way); no
-    recompile per shape."""
+    recompile per shape. ``round_to``: fp32 ``x`` standing for logits of that 16-bit dtype
+    (:func:`_rounded_loss_gradient_into`; needs ``out``)."""
+    if round_to is not None:
+        # inductor drops a round trip through a 16-bit dtype unless told to keep it
+        kernel = compile_once(_rounded_loss_gradient_into, options={"emulate_precision_casts": True})
+        return kernel(x, safe, scale, out, round_to)
     if out is None:
         return compile_once(_loss_only)(x, safe, scale)
     return compile_once(_loss_gradient_into)(x, safe, scale, out)
@@ -225,12 +241,19 @@ class _LinearCrossEntropySum(torch.autograd.Function):
     formed, reduced to their loss and turned into their gradient (``softmax - onehot``, times the
     expected upstream gradient ``grad_hint``) in place, while still in cache, and both input
     gradients are accumulated in the forward. The backward only rescales them if the real upstream
-    gradient is not ``grad_hint`` (multiplying by an exact 1 is skipped)."""
+    gradient is not ``grad_hint`` (multiplying by an exact 1 is skipped).
+
+    16-bit ``hidden`` and ``weight`` (a CPU whose 16-bit matmuls run as fp32 GEMMs,
+    ``train.mixed_precision.cpu_matmul``): the GEMMs run in fp32 on the 16-bit values, and the
+    logits, their gradient and both input gradients are rounded to 16 bits where the unfused head
+    (16-bit logits, 16-bit gradient) rounds them; the weight's gradient is summed over the chunks in
+    fp32 and rounded once."""
 
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,  # type: ignore[override]
                 grad_hint: torch.Tensor, grads: bool, compiled: bool) -> torch.Tensor:
         T, V = hidden.shape[0], weight.shape[0]
+        half = hidden.dtype if hidden.dtype != torch.float32 else None  # the dtype the logits stand for
         valid = labels != IGNORE_INDEX
         safe = labels.masked_fill(~valid, 0).unsqueeze(1)
         # needs_input_grad reads True under no_grad too: the caller says whether a backward follows
@@ -238,18 +261,19 @@ class _LinearCrossEntropySum(torch.autograd.Function):
         scale = grad_hint.float() * valid.float()  # (T,): ignored rows get a zero gradient
         nll = torch.empty(T, dtype=torch.float32, device=hidden.device)
         step = _head_rows(V, hidden.device)
-        dh = None  # one chunk: the GEMM's own output; several: written chunk by chunk
-        if want_h and (T == 0 or T > step):
+        w32 = weight.float()  # the weight itself in fp32
+        dh = None  # fp32, one chunk: the GEMM's own output; several (or 16-bit): written chunk by chunk
+        if want_h and (T == 0 or T > step or half):
             dh = torch.zeros_like(hidden) if T == 0 else empty_unfilled(hidden.shape, hidden.dtype, hidden.device)
-        dw = None  # the first chunk writes it whole, the others accumulate
+        dw = None  # the first chunk writes it whole, the others accumulate (16-bit: in fp32, rounded at the end)
         if want_w:
-            dw = torch.zeros_like(weight) if T == 0 else empty_unfilled(weight.shape, weight.dtype, weight.device)
-        wt = weight.t()
+            dw = torch.zeros_like(w32) if T == 0 else empty_unfilled(w32.shape, torch.float32, weight.device)
+        wt = w32.t()
         buf = None  # the BLAS's logits chunk, reused (oneDNN hands back one of its own)
-        if not onednn_gemm.applies(hidden, weight, None):
-            buf = empty_unfilled((min(step, T), V), torch.float32, hidden.device)
         for a in range(0, T, step):
-            h = hidden[a:a + step]
+            h = hidden[a:a + step].float()
+            if a == 0 and not onednn_gemm.applies(h, w32, None):
+                buf = empty_unfilled((h.shape[0], V), torch.float32, hidden.device)
             p = _mm(h, wt, out=None if buf is None else buf[:h.shape[0]])  # the logits, turned in place into
             # their gradient below, on a CPU a cache-sized block of rows at a time (the GEMMs want the
             # whole chunk): 2048 x 32000 on 2 AMD cores, 44 ms in 64-row blocks against 92 ms whole;
@@ -259,16 +283,24 @@ class _LinearCrossEntropySum(torch.autograd.Function):
             for b in range(0, h.shape[0], blk):
                 rows = slice(a + b, a + min(b + blk, h.shape[0]))
                 x = p[b:b + blk]
+                grad = want_h or want_w
+                if comp and half and grad:
+                    nll[rows] = _compiled_rows(x, safe[rows], scale[rows], x, round_to=half)
+                    continue
+                if half:  # the 16-bit logits' values
+                    x.copy_(x.to(half))
                 if comp:
-                    nll[rows] = _compiled_rows(x, safe[rows], scale[rows], x if want_h or want_w else None)
+                    nll[rows] = _compiled_rows(x, safe[rows], scale[rows], x if grad else None)
                 else:
-                    nll[rows] = _loss_and_gradient_(x, safe[rows], scale[rows], want_h or want_w)
+                    nll[rows] = _loss_and_gradient_(x, safe[rows], scale[rows], grad)
+                    if half and grad:  # the 16-bit gradient's values
+                        x.copy_(x.to(half))
             if want_h or want_w:
                 if want_h and dh is None:
-                    dh = _mm(p, weight)
+                    dh = _mm(p, w32)
                 elif want_h:
                     dh_rows = dh[a:a + step]
-                    y = _mm(p, weight, out=dh_rows)
+                    y = _mm(p, w32, out=None if half else dh_rows)
                     if y.data_ptr() != dh_rows.data_ptr():
                         dh_rows.copy_(y)
                 if want_w and onednn_gemm.applies(h.t(), p.t(), None):
@@ -282,6 +314,8 @@ class _LinearCrossEntropySum(torch.autograd.Function):
                 elif want_w:
                     dw.addmm_(p.t(), h)
             p = part = None  # freed before the next chunk's logits GEMM allocates its own
+        if half and dw is not None:
+            dw = dw.to(half)
         ctx.save_for_backward(dh, dw, grad_hint)
         return (nll * valid).sum()
 

@@ -9,22 +9,23 @@ from typing import Callable
 
 import torch
 
-_kernels: dict[tuple[Callable, bool | None], Callable] = {}
+_kernels: dict[tuple, Callable] = {}  # (fn, dynamic, options) -> compiled
 
 
-def compile_once(fn: Callable, *, dynamic: bool | None = None) -> Callable:
-    """``torch.compile(fn, dynamic=dynamic)``, made once per process and setting. ``dynamic=None`` is
-    torch.compile's default (the first shapes static, a second set of shapes recompiles once with
-    them dynamic); ``False`` compiles each new shape once (for kernels that see one shape a run)."""
-    key = (fn, dynamic)
+def compile_once(fn: Callable, *, dynamic: bool | None = None, options: dict | None = None) -> Callable:
+    """``torch.compile(fn, dynamic=dynamic, options=options)``, made once per process and setting.
+    ``dynamic=None`` is torch.compile's default (the first shapes static, a second set of shapes
+    recompiles once with them dynamic); ``False`` compiles each new shape once (for kernels that see
+    one shape a run). ``options``: inductor settings for this function alone."""
+    key = (fn, dynamic, tuple(sorted(options.items())) if options else None)
     if key not in _kernels:
-        _kernels[key] = torch.compile(fn, dynamic=dynamic)
+        _kernels[key] = torch.compile(fn, dynamic=dynamic, options=options)
     return _kernels[key]
 
 
 def compiled_names() -> set[str]:
     """Names of the functions compiled so far in this process."""
-    return {fn.__name__ for fn, _ in _kernels}
+    return {key[0].__name__ for key in _kernels}
 
 
 def clear() -> None:

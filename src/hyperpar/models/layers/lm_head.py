@@ -2,10 +2,12 @@
 
 With ``train.fused_head_loss`` (default on) the worker sets ``fused_loss`` on every ``LMHead`` of a
 model it trains without pipeline parallelism. Then, for an fp32 input and weight that are plain
-tensors (no tensor-parallel DTensor, no 16-bit mixed precision), ``forward`` returns a
+tensors (no tensor-parallel DTensor), ``forward`` returns a
 :class:`HeadInput` (the hidden states and this weight) instead of logits, and the objective runs
 the matmul inside the cross-entropy, chunk by chunk (``train.cross_entropy.linear_cross_entropy_sum``):
-the (tokens x vocab) logits and their gradient are never whole. Anything else gets logits as before.
+the (tokens x vocab) logits and their gradient are never whole. So does a 16-bit head on a CPU whose
+16-bit matmuls run as fp32 GEMMs (``train.mixed_precision.cpu_matmul``): the kernel rounds to 16 bits
+where the 16-bit head would. Anything else gets logits as before.
 Called outside training (HF parity, export, evaluation) the flag is off and ``forward`` is ``Linear``'s.
 """
 
@@ -17,7 +19,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from hyperpar.models.layers.cpu_matmul import Linear
+from hyperpar.models.layers.cpu_matmul import Linear, upcast
 
 
 @dataclass
@@ -29,8 +31,11 @@ class HeadInput:
 
     @staticmethod
     def fusable(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-        return (bias is None and not isinstance(x, DTensor) and not isinstance(weight, DTensor)
-                and x.dtype == torch.float32 and weight.dtype == torch.float32)
+        if bias is not None or isinstance(x, DTensor) or isinstance(weight, DTensor) or x.dtype != weight.dtype:
+            return False
+        # 16-bit: where the CPU's 16-bit matmuls run as fp32 GEMMs anyway (cpu_matmul), which the
+        # fused kernel then runs too, rounding where the 16-bit head would
+        return x.dtype == torch.float32 or upcast(x)
 
 
 class LMHead(Linear):
