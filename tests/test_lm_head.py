@@ -75,3 +75,30 @@ def test_head_keeps_logits_where_fusing_does_not_apply():
     head.float()
     head.fused_loss = False
     assert torch.equal(head(x), x @ head.weight.t())
+
+
+def test_16bit_fused_head_gives_the_unfused_objective_and_gradients():
+    """bf16 where the CPU's 16-bit matmuls run as fp32 GEMMs (cpu_matmul=fp32): the fused heads (main
+    and MTP) round where the unfused bf16 heads do, so the objective and every gradient come out the same."""
+    from hyperpar.models.layers import cpu_matmul
+
+    model = _tiny_moe_with_mtp().bfloat16()
+    ids = torch.randint(0, 900, (2, 40), generator=torch.Generator().manual_seed(2))
+    labels = torch.full_like(ids, -100)
+    labels[:, :-1] = ids[:, 1:]
+    labels[0, 5:9] = -100
+    before = cpu_matmul.set_policy("fp32")
+    try:
+        fuse_head_loss(model)
+        fused_out, fused_loss, fused = _step(model, ids, labels)
+        assert isinstance(fused_out.logits, HeadInput) and isinstance(fused_out.mtp_logits, HeadInput)
+        fuse_head_loss(model, False)
+        plain_out, plain_loss, plain = _step(model, ids, labels)
+        assert isinstance(plain_out.logits, torch.Tensor) and plain_out.logits.dtype == torch.bfloat16
+    finally:
+        cpu_matmul.set_policy(before)
+    assert abs(fused_loss - plain_loss) <= 1e-6 * abs(plain_loss)
+    assert fused.keys() == plain.keys() and "lm_head.weight" in fused
+    for name, g in plain.items():
+        assert fused[name].dtype == torch.bfloat16 and g.abs().max().item() > 0, name
+        assert torch.equal(fused[name], g), name
