@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import statistics
 import subprocess
 import sys
@@ -68,6 +69,23 @@ def cuda_matmul_peak(dtype: torch.dtype, n: int = 8192, reps: int = 10) -> float
         end.synchronize()
         best = min(best, start.elapsed_time(end) / 1e3)
     return 2 * n**3 / best / 1e9
+
+
+def cpu_summary() -> str:
+    """The CPU's model, its matmul instruction sets, and the GEMM paths ``auto`` picks on it."""
+    from hyperpar.models.layers import cpu_matmul, onednn_gemm
+
+    name = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), name)
+    except OSError:
+        pass
+    flags = cpu_matmul._cpu_flags()
+    isa = [f for f in ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16") if f in flags] or ["flags unknown"]
+    fp32 = "oneDNN" if onednn_gemm.auto_choice() else "BLAS"
+    bf16 = "native" if cpu_matmul.native_half_gemm(torch.bfloat16) else "fp32 GEMMs on the bf16 values"
+    return f"{name} ({', '.join(isa)}); auto GEMM paths: fp32 {fp32}, bf16 {bf16}"
 
 
 def matmul_peak(dtype: torch.dtype, threads: int, n: int = 2048, reps: int = 5, device: str = "cpu") -> float:
@@ -274,6 +292,8 @@ def main() -> None:
     where += f"{os.cpu_count()} cores, {a.threads} threads"
     print(f"machine: {where}; matmul peak fp32 {measured['fp32'][0]:.0f} GFLOP/s, "
           f"bf16 {measured['bf16'][0]:.0f} GFLOP/s (measured again after every round)")
+    if a.device == "cpu":  # which host type, and the CPU GEMM paths our trainer takes by default on it
+        print(f"cpu: {cpu_summary()}")
     # the baseline is whatever transformers release is installed: say which
     print(f"versions: torch {torch.__version__}, transformers {_version('transformers')}, "
           f"hyperpar {_version('hyperpar')}")
