@@ -73,14 +73,10 @@ def cuda_matmul_peak(dtype: torch.dtype, n: int = 8192, reps: int = 10) -> float
 
 def cpu_summary() -> str:
     """The CPU's model, its matmul instruction sets, and the GEMM paths ``auto`` picks on it."""
+    from hyperpar import cpu_info
     from hyperpar.models.layers import cpu_matmul, onednn_gemm
 
-    name = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            name = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), name)
-    except OSError:
-        pass
+    name = cpu_info.field("model name") or platform.processor() or platform.machine()
     flags = cpu_matmul._cpu_flags()
     isa = [f for f in ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16") if f in flags] or ["flags unknown"]
     fp32 = "oneDNN" if onednn_gemm.auto_choice() else "BLAS"

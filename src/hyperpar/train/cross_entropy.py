@@ -258,6 +258,7 @@ class _LinearCrossEntropySum(torch.autograd.Function):
         safe = labels.masked_fill(~valid, 0).unsqueeze(1)
         # needs_input_grad reads True under no_grad too: the caller says whether a backward follows
         want_h, want_w = (bool(ctx.needs_input_grad[i]) and grads for i in (0, 1))
+        form_grad = want_h or want_w  # the chunks' logits become their gradient
         scale = grad_hint.float() * valid.float()  # (T,): ignored rows get a zero gradient
         nll = torch.empty(T, dtype=torch.float32, device=hidden.device)
         step = _head_rows(V, hidden.device)
@@ -283,19 +284,18 @@ class _LinearCrossEntropySum(torch.autograd.Function):
             for b in range(0, h.shape[0], blk):
                 rows = slice(a + b, a + min(b + blk, h.shape[0]))
                 x = p[b:b + blk]
-                grad = want_h or want_w
-                if comp and half and grad:
+                if comp and half and form_grad:
                     nll[rows] = _compiled_rows(x, safe[rows], scale[rows], x, round_to=half)
                     continue
                 if half:  # the 16-bit logits' values
                     x.copy_(x.to(half))
                 if comp:
-                    nll[rows] = _compiled_rows(x, safe[rows], scale[rows], x if grad else None)
+                    nll[rows] = _compiled_rows(x, safe[rows], scale[rows], x if form_grad else None)
                 else:
-                    nll[rows] = _loss_and_gradient_(x, safe[rows], scale[rows], grad)
-                    if half and grad:  # the 16-bit gradient's values
+                    nll[rows] = _loss_and_gradient_(x, safe[rows], scale[rows], form_grad)
+                    if half and form_grad:  # the 16-bit gradient's values
                         x.copy_(x.to(half))
-            if want_h or want_w:
+            if form_grad:
                 if want_h and dh is None:
                     dh = _mm(p, w32)
                 elif want_h:

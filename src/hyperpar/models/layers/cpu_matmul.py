@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from hyperpar import cpu_info
 from hyperpar.models.layers import onednn_gemm
 
 POLICIES = ("auto", "native", "fp32")
@@ -62,16 +63,8 @@ def _probe_half_gemm(dtype: torch.dtype) -> bool:
         return True
 
 
-@functools.cache
 def _cpu_flags() -> frozenset[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:  # not Linux: nothing known, so auto trusts oneDNN's report
-        pass
-    return frozenset()
+    return frozenset(cpu_info.field("flags").split())  # empty off Linux: auto trusts oneDNN's report
 
 
 @functools.cache

@@ -21,6 +21,7 @@ from typing import Optional
 import torch
 from torch.distributed.tensor import DTensor
 
+from hyperpar import cpu_info
 from hyperpar.unfilled import empty_unfilled, unfilled
 
 POLICIES = ("auto", "blas", "onednn")
@@ -42,16 +43,8 @@ def set_policy(policy: str) -> str:
     return before
 
 
-@functools.cache
 def _cpu_vendor() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("vendor_id"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:  # not Linux: no vendor known, so auto keeps the BLAS
-        pass
-    return ""
+    return cpu_info.field("vendor_id")  # "" off Linux: no vendor known, so auto keeps the BLAS
 
 
 def _avx512() -> bool:
