@@ -41,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-from hyperpar.models.layers import onednn_gemm
+from hyperpar.models.layers import cpu_matmul, onednn_gemm
 
 sys.path.insert(0, str(Path(__file__).parent))
 from train_throughput import COMMON, CONFIGS, is_moe  # noqa: E402  (the geometries, one place)
@@ -74,7 +74,6 @@ def cuda_matmul_peak(dtype: torch.dtype, n: int = 8192, reps: int = 10) -> float
 def cpu_summary() -> str:
     """The CPU's model, its matmul instruction sets, and the GEMM paths ``auto`` picks on it."""
     from hyperpar import cpu_info
-    from hyperpar.models.layers import cpu_matmul, onednn_gemm
 
     name = cpu_info.field("model name") or platform.processor() or platform.machine()
     flags = cpu_matmul._cpu_flags()
@@ -98,7 +97,8 @@ def matmul_peak(dtype: torch.dtype, threads: int, n: int = 2048, reps: int = 5, 
     a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
     # torch's mm (MKL on x86) and oneDNN's GEMM (which launch.cpu_gemm can use): the faster counts
     gemms = [lambda: a @ b]
-    if onednn_gemm.available():
+    # oneDNN has no 16-bit GEMM on a CPU without AVX-512 (it refuses to build the primitive there)
+    if onednn_gemm.available() and (dtype == torch.float32 or cpu_matmul._probe_half_gemm(dtype)):
         gemms.append(lambda: torch.ops.mkldnn._linear_pointwise(a, b, None, "none", [], ""))
     best = float("inf")
     for gemm in gemms:

@@ -275,6 +275,7 @@ def _probe_trainer_cls():
                 "host_allocator": host_allocator.applied(),
                 "flush_denormals": denormals.flushing(),
                 "fused_heads": sum(bool(getattr(m, "fused_loss", False)) for m in self.model.modules()),
+                "experts_impl": sorted({m.impl for m in self.model.modules() if type(m).__name__.endswith("GroupedExperts")}),
             }
 
     return ProbeTrainer

@@ -303,6 +303,7 @@ EFFECTS: dict[str, Effect] = {
                                          may_refuse=True),
     "model.num_hidden_layers": Effect("plan", ["model.num_hidden_layers=2"]),
     "model.overrides": Effect("plan", ["+model.overrides.num_hidden_layers=2"]),
+    "model.experts_impl": Effect("run", ["model.experts_impl=loop"], ["model=qwen3_5_moe"], view=probe("experts_impl")),
     # parallel: the mesh in the plan, or refused (a layout that is not supported yet)
     "parallel._target_": refused("plan", ["parallel._target_=hyperpar.nope.Dims"], "hyperpar.nope"),
     "parallel.name": Effect("plan", ["parallel.name=renamed"]),
@@ -472,6 +473,14 @@ def test_unknown_data_extra_key_is_refused_per_type(observer: Observer) -> None:
         got = observer.observe("data", [*base, typo])
         assert isinstance(got, Refused) and "is not a key of data.type" in got.message, got
         assert typo.split("=")[0].split(".")[-1] in got.message
+
+
+def test_experts_impl_without_experts_is_one_line(observer: Observer) -> None:
+    got = observer.observe("plan", ["model=qwen3_5", "model.experts_impl=grouped"])
+    assert isinstance(got, Refused) and "model=qwen3_5 has no routed experts" in got.message, got
+    got = observer.observe("plan", ["model=qwen3_5_moe", "model.experts_impl=grouped_mm"])
+    assert isinstance(got, Refused) and "model.experts_impl='grouped_mm'" in got.message, got
+    assert "experts_impl=grouped" in observer.observe("plan", ["model=qwen3_vl_moe", "model.experts_impl=grouped"])
 
 
 def test_mtp_on_a_family_without_mtp_is_one_line(observer: Observer) -> None:

@@ -102,6 +102,9 @@ class ModelConfig:
     # Geometry on top of hf_path's config.json (or the flavour): a stack is cut to its first N entries.
     num_hidden_layers: Optional[int] = None  # short for overrides.num_hidden_layers
     overrides: dict = field(default_factory=dict)  # text fields; vision.* for the tower (e.g. vision.depth)
+    # MoE experts' GEMMs: grouped (torch._grouped_mm) | loop (one GEMM per expert) | auto (per device
+    # and GEMM policy); not a checkpoint field, and the results agree to the order of the sums
+    experts_impl: str = "auto"
 
 
 @dataclass

@@ -52,6 +52,9 @@ def _plain_overrides(overrides: Any, num_hidden_layers: int | None) -> dict[str,
     return out
 
 
+EXPERTS_IMPLS = ("auto", "grouped", "loop")
+
+
 class ModelBuilder:
     """``text_only``: train the text model of a VL checkpoint (its vision tower is left out, said in
     one line). ``allow_unused_weights``: load a checkpoint that holds tensors the model does not read
@@ -70,6 +73,7 @@ class ModelBuilder:
         allow_unused_weights: bool = False,
         num_hidden_layers: int | None = None,
         overrides: dict[str, Any] | None = None,
+        experts_impl: str = "auto",
     ) -> None:
         self.spec: ModelSpec = get_model_spec(name)
         self.name = name
@@ -81,6 +85,9 @@ class ModelBuilder:
         self.text_only = text_only
         self.allow_unused_weights = allow_unused_weights
         self.overrides = _plain_overrides(overrides, num_hidden_layers)
+        if experts_impl not in EXPERTS_IMPLS:
+            raise ConfigError(f"model.experts_impl={experts_impl!r} is not one of {', '.join(EXPERTS_IMPLS)}")
+        self.experts_impl = experts_impl
         self.left_out: list[tuple[str, str]] = []  # checkpoint prefixes this build chose not to load
         if hf_path:
             self.hf_config = read_hf_config(hf_path)
@@ -173,6 +180,8 @@ class ModelBuilder:
         read, are one CheckpointError; what the build chose to leave out is logged in one line."""
         with torch.device("meta"):
             model = self.spec.model_cls(self.args)
+        if self.experts_impl != "auto":
+            self._set_experts_impl(model)
         if self.load_weights:
             from hyperpar.models.hf_io import HFCheckpoint, audit_checkpoint
 
@@ -184,6 +193,16 @@ class ModelBuilder:
             if note:
                 log.warning("%s", note)
         return model
+
+    def _set_experts_impl(self, model: nn.Module) -> None:
+        from hyperpar.models.layers.moe import GroupedExperts
+
+        experts = [m for m in model.modules() if isinstance(m, GroupedExperts)]
+        if not experts:
+            raise ConfigError(f"model.experts_impl={self.experts_impl} but model={self.name} has no routed experts",
+                              hint="leave model.experts_impl=auto")
+        for m in experts:
+            m.impl = self.experts_impl
 
     def weight_source(self):
         """A ``source(name, shape, index=None)`` for materialize() that reads the box ``index`` of this
@@ -208,4 +227,6 @@ class ModelBuilder:
     def describe(self) -> str:
         src = f"hf_path={self.hf_path}" if self.hf_path else f"flavor={self.flavor}"
         extra = "".join(f", {k}={v}" for k, v in self.overrides.items())
+        if self.experts_impl != "auto":
+            extra += f", experts_impl={self.experts_impl}"
         return f"{self.name} ({src}{', text only' if self.text_only else ''}{extra})"
