@@ -308,6 +308,10 @@ def main() -> None:
     print(f"config {a.config}, {a.dtype}, seq {a.seq} x batch {a.batch}, {flops_per_step / 1e12:.2f} TFLOP per step "
           f"(model FLOPs), {a.rounds} rounds x {a.steps} steps per side ({a.warmup} warm-up)")
 
+    if a.dtype == "bf16" and not a.no_transformers and measured["bf16"][0] < 0.1 * measured["fp32"][0]:
+        # no bf16 GEMM here (x86 without AVX-512): transformers' bf16 step takes torch's fallbacks
+        print(f"note: this CPU's bf16 GEMM runs at {measured['bf16'][0]:.0f} GFLOP/s, so transformers' bf16 step "
+              "takes minutes (dense_small: 244 s a step on a 2-core AVX2 EPYC); --no-transformers times ours alone")
     sides = {"ours": lambda: run_ours(ckpt, a, a.steps, "single", work, a.ours)}
     if not a.no_transformers:
         sides["transformers"] = lambda: (run_theirs(ckpt, a, a.steps), None)
