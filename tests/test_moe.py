@@ -94,6 +94,9 @@ def test_unaligned_sizes_fall_back_to_loop() -> None:
     ref = naive_experts(x, counts, w_gu, w_d)
     # |y| reaches ~12 here: a few fp32 ulps of the largest value
     assert (y - ref).abs().max().item() <= 1e-6 * max(1.0, ref.abs().max().item())
+    # asked for by name (model.experts_impl=grouped), the grouped kernel is refused in one sentence
+    with pytest.raises(ValueError, match=r"experts_impl=grouped: torch._grouped_mm cannot run .*model.experts_impl=auto or loop"):
+        experts_forward(x, counts, *w_gu.chunk(2, dim=1), w_d, impl="grouped")
 
 
 def test_router_renormalises_or_not() -> None:

@@ -431,6 +431,11 @@ def experts_forward(
         impl = "grouped" if grouped_mm_supported(x, w_gate, w_down) and not _quantum(w_gate) else "loop"
     if x.dtype != w_gate.dtype:  # e.g. fp32 activations reaching bf16 expert weights
         x = x.to(w_gate.dtype)
+    if impl == "grouped" and not grouped_mm_supported(x, w_gate, w_down):
+        # asked for by name (model.experts_impl): said here, not as torch's kernel error mid-step
+        raise ValueError(f"experts_impl=grouped: torch._grouped_mm cannot run these experts here ({x.device.type}, "
+                         f"{str(w_gate.dtype).removeprefix('torch.')}, expert sizes {tuple(w_down.shape[1:])}); "
+                         "use model.experts_impl=auto or loop")
     if impl == "grouped":
         offs = torch.cumsum(counts, 0, dtype=torch.int32)
 
