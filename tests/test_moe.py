@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from hyperpar.errors import ConfigError
 from hyperpar.models.layers import init_param_by_module
 from hyperpar.models.layers import onednn_gemm
 from hyperpar.models.layers.moe import (
@@ -95,8 +96,9 @@ def test_unaligned_sizes_fall_back_to_loop() -> None:
     # |y| reaches ~12 here: a few fp32 ulps of the largest value
     assert (y - ref).abs().max().item() <= 1e-6 * max(1.0, ref.abs().max().item())
     # asked for by name (model.experts_impl=grouped), the grouped kernel is refused in one sentence
-    with pytest.raises(ValueError, match=r"experts_impl=grouped: torch._grouped_mm cannot run .*model.experts_impl=auto or loop"):
+    with pytest.raises(ConfigError, match=r"experts_impl=grouped: torch._grouped_mm cannot run these experts here") as e:
         experts_forward(x, counts, *w_gu.chunk(2, dim=1), w_d, impl="grouped")
+    assert "model.experts_impl=auto or loop" in e.value.hint
 
 
 def test_router_renormalises_or_not() -> None:

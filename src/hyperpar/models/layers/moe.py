@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hyperpar.errors import ConfigError
 from hyperpar.models.layers import onednn_gemm
 from hyperpar.models.layers.cpu_matmul import Linear, linear, upcast
 from hyperpar.models.layers.local import local
@@ -433,9 +434,9 @@ def experts_forward(
         x = x.to(w_gate.dtype)
     if impl == "grouped" and not grouped_mm_supported(x, w_gate, w_down):
         # asked for by name (model.experts_impl): said here, not as torch's kernel error mid-step
-        raise ValueError(f"experts_impl=grouped: torch._grouped_mm cannot run these experts here ({x.device.type}, "
-                         f"{str(w_gate.dtype).removeprefix('torch.')}, expert sizes {tuple(w_down.shape[1:])}); "
-                         "use model.experts_impl=auto or loop")
+        raise ConfigError(f"experts_impl=grouped: torch._grouped_mm cannot run these experts here ({x.device.type}, "
+                          f"{str(w_gate.dtype).removeprefix('torch.')}, expert sizes {tuple(w_down.shape[1:])})",
+                          hint="use model.experts_impl=auto or loop")
     if impl == "grouped":
         offs = torch.cumsum(counts, 0, dtype=torch.int32)
 
