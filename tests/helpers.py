@@ -263,6 +263,7 @@ def _probe_trainer_cls():
             import torch
 
             from hyperpar import denormals, host_allocator
+            from hyperpar.models.layers.moe import GroupedExperts
 
             super().__init__(**kwargs)
             PROBES[str(kwargs["run_dir"])] = {
@@ -275,7 +276,7 @@ def _probe_trainer_cls():
                 "host_allocator": host_allocator.applied(),
                 "flush_denormals": denormals.flushing(),
                 "fused_heads": sum(bool(getattr(m, "fused_loss", False)) for m in self.model.modules()),
-                "experts_impl": sorted({m.impl for m in self.model.modules() if type(m).__name__.endswith("GroupedExperts")}),
+                "experts_impl": sorted({m.impl for m in self.model.modules() if isinstance(m, GroupedExperts)}),
             }
 
     return ProbeTrainer

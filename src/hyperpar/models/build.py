@@ -18,6 +18,7 @@ from torch import nn
 
 from hyperpar.errors import CheckpointError, ConfigError
 from hyperpar.models.geometry_overrides import apply_overrides, check_applied
+from hyperpar.models.layers.moe import EXPERTS_IMPLS, GroupedExperts
 from hyperpar.models.spec import ModelSpec, get_model_spec
 
 log = logging.getLogger(__name__)
@@ -50,9 +51,6 @@ def _plain_overrides(overrides: Any, num_hidden_layers: int | None) -> dict[str,
                               f"model.overrides.num_hidden_layers={out['num_hidden_layers']}", hint="give one of them")
         out["num_hidden_layers"] = num_hidden_layers
     return out
-
-
-EXPERTS_IMPLS = ("auto", "grouped", "loop")
 
 
 class ModelBuilder:
@@ -195,8 +193,6 @@ class ModelBuilder:
         return model
 
     def _set_experts_impl(self, model: nn.Module) -> None:
-        from hyperpar.models.layers.moe import GroupedExperts
-
         experts = [m for m in model.modules() if isinstance(m, GroupedExperts)]
         if not experts:
             raise ConfigError(f"model.experts_impl={self.experts_impl} but model={self.name} has no routed experts",

@@ -410,6 +410,9 @@ class _LoopLinear(torch.autograd.Function):
         return dx, dw, None
 
 
+EXPERTS_IMPLS = ("auto", "grouped", "loop")  # model.experts_impl
+
+
 def experts_forward(
     x: torch.Tensor,
     counts: torch.Tensor,
@@ -426,13 +429,14 @@ def experts_forward(
     Returns (N, H) in x's row order: ``down[e] · (silu(gate[e]·x) ⊙ up[e]·x)``.
     impl: "grouped" (``torch._grouped_mm``), "loop" (one mm per non-empty expert) or "auto".
     """
-    if impl == "auto":
+    named = impl != "auto"
+    if not named:
         # a CPU's oneDNN GEMMs (fp32 under launch.cpu_gemm, 16-bit): the loop, in row quanta
         # (``_ROW_QUANTUM``; torch's grouped GEMM fragments the heap as the plain loop did)
         impl = "grouped" if grouped_mm_supported(x, w_gate, w_down) and not _quantum(w_gate) else "loop"
     if x.dtype != w_gate.dtype:  # e.g. fp32 activations reaching bf16 expert weights
         x = x.to(w_gate.dtype)
-    if impl == "grouped" and not grouped_mm_supported(x, w_gate, w_down):
+    if named and impl == "grouped" and not grouped_mm_supported(x, w_gate, w_down):
         # asked for by name (model.experts_impl): said here, not as torch's kernel error mid-step
         raise ConfigError(f"experts_impl=grouped: torch._grouped_mm cannot run these experts here ({x.device.type}, "
                           f"{str(w_gate.dtype).removeprefix('torch.')}, expert sizes {tuple(w_down.shape[1:])})",
@@ -450,7 +454,7 @@ def experts_forward(
             return _LoopLinear.apply(a, w, sizes)
 
     else:
-        raise ValueError(f"unknown experts impl '{impl}' (grouped | loop | auto)")
+        raise ValueError(f"unknown experts impl '{impl}' (one of {', '.join(EXPERTS_IMPLS)})")
     h = F.silu(linear(x, w_gate)) * linear(x, w_up)  # (N, Ie)
     return linear(h, w_down)
 

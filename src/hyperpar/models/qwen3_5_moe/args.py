@@ -7,6 +7,7 @@ from typing import Any, ClassVar
 
 from hyperpar.errors import ConfigError
 from hyperpar.models.hf_args import Entry, Fixed, Key, note_router_renormalises, replace_keys
+from hyperpar.models.layers.moe import EXPERTS_IMPLS
 from hyperpar.models.qwen3_5.args import FLAVORS as DENSE_FLAVORS
 from hyperpar.models.qwen3_5.args import TEXT_KEYS, Qwen3_5Args, Qwen3_5VLArgs, released
 from hyperpar.models.vision import VisionArgs
@@ -65,8 +66,8 @@ class Qwen3_5MoeArgs(Qwen3_5Args):
                 f"mtp_loss_weight={self.mtp_loss_weight} but the model has no MTP module",
                 hint="set mtp_num_hidden_layers ≥ 1 (a checkpoint with mtp.* weights has it) or model.mtp_loss_weight=0",
             )
-        if self.experts_impl not in ("auto", "grouped", "loop"):
-            raise bad(f"experts_impl '{self.experts_impl}' is not one of auto, grouped, loop")
+        if self.experts_impl not in EXPERTS_IMPLS:
+            raise bad(f"experts_impl '{self.experts_impl}' is not one of {', '.join(EXPERTS_IMPLS)}")
 
     @property
     def mtp_enabled(self) -> bool:
