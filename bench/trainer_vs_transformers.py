@@ -8,7 +8,8 @@ the first ``--warmup`` steps of every run are warm-up (compilation, first-touch 
 and of the heap; a compiled step settles at its third). The matmul peaks are measured before the
 first round and after every round, and the fastest is the peak (on a shared host one measurement can
 read 30 % low, which would flatter the fractions). Prints the machine's fp32 / bf16 matmul peaks, each
-side's median step time, tokens/s, fraction of the matmul peak reached in model FLOP/s, peak RSS
+side's median step time, tokens/s, fraction of the matmul peak reached in model FLOP/s (at the
+median step, and at the fastest, which tells a slow code path from a busy host), peak RSS
 per step, page faults per step on CPU (fresh memory faulted in: allocator churn), and the ratio
 transformers / ours (> 1: ours is faster). With ``--fsdp`` it also times
 ``fsdp2`` (2 processes x threads/2) against ``single`` (same global batch): the FSDP overhead.
@@ -237,11 +238,12 @@ def summary(name: str, recs: list[list[dict]], flops_per_step: float, peak: floa
     med = statistics.median(times)
     faults = [r["page_faults"] for run in recs for r in run[warmup:] if r.get("page_faults") is not None]
     row = {"median_s": med, "min_s": min(times), "tokens_per_s": None, "peak_frac": flops_per_step / med / 1e9 / peak,
+           "peak_frac_fastest": flops_per_step / min(times) / 1e9 / peak,
            "peak_mem_mb": max(mem), "page_faults": statistics.median(faults) if faults else None}
     # page faults: fresh memory faulted in during the step (allocator churn; CPU only)
     churn = f", page faults/step {row['page_faults']:.0f}" if row["page_faults"] is not None else ""
     print(f"{name:>14}: median step {med:.3f} s (min {min(times):.3f}, {len(times)} steps), "
-          f"{row['peak_frac']:.2f} of the matmul peak, {mem_label} {row['peak_mem_mb']:.0f} MB{churn}")
+          f"{row['peak_frac']:.2f} of the matmul peak ({row['peak_frac_fastest']:.2f} at the fastest step), {mem_label} {row['peak_mem_mb']:.0f} MB{churn}")
     return row
 
 
