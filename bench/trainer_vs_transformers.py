@@ -188,7 +188,9 @@ LAST_RUN_DIR: dict[str, Path] = {}  # layout -> its last run's directory (--prof
 def run_ours(ckpt: Path, a, steps: int, layout: str, work: Path, extra: list[str]) -> tuple[list[dict], float]:
     """Per-step records of ``python -m hyperpar`` and the time from its start to its first step.
     With ``--profile`` the run has one more step, profiled, left out of the records."""
-    profiled = [f"profile.steps=[{steps + 1}]", "profile.trace=false", "profile.row_limit=8"] if a.profile else []
+    # shapes recorded (the GEMM rows of print_profile), and enough rows to hold every GEMM shape
+    profiled = ([f"profile.steps=[{steps + 1}]", "profile.trace=false", "profile.row_limit=80",
+                 "profile.record_shapes=true"] if a.profile else [])
     cmd, run_dir = _ours_cmd(ckpt, a, steps + 1 if a.profile else steps, layout, work, [*extra, *profiled])
     LAST_RUN_DIR[layout] = run_dir
     env = {**os.environ, "HYPERPAR_NO_BAR": "1"}
@@ -202,8 +204,36 @@ def run_ours(ckpt: Path, a, steps: int, layout: str, work: Path, extra: list[str
     return recs[:steps], start
 
 
-def print_profile(name: str, layout: str) -> None:
-    """The profiled extra step of ``layout``'s last run, per rank: phases, FSDP and collectives, top ops."""
+def gemm_flops(op: str, shapes: list) -> float | None:
+    """FLOPs of one call of a leaf GEMM operator from its recorded input shapes, None for any other
+    op. Leaves only: the composite GEMM ops (``hyperpar::onednn_gemm``, ``aten::_grouped_mm`` and
+    ``hyperpar::expert_loop_mm`` on a CPU) run these underneath, so counting them too would count
+    their FLOPs twice."""
+    try:
+        if op == "aten::mm":  # (M, K) @ (K, N)
+            (m, k), (_, n) = shapes[0], shapes[1]
+            return 2.0 * m * k * n
+        if op == "aten::addmm":  # bias, (M, K), (K, N)
+            (m, k), (_, n) = shapes[1], shapes[2]
+            return 2.0 * m * k * n
+        if op == "aten::bmm":  # (B, M, K) @ (B, K, N)
+            (b, m, k), (_, _, n) = shapes[0], shapes[1]
+            return 2.0 * b * m * k * n
+        if op == "aten::baddbmm":  # (B, M, N) + (B, M, K) @ (B, K, N)
+            (b, m, k), (_, _, n) = shapes[1], shapes[2]
+            return 2.0 * b * m * k * n
+        if op == "mkldnn::_linear_pointwise":  # oneDNN's GEMM (launch.cpu_gemm): x (M, K) by w (N, K)
+            (m, k), (n, _) = shapes[0], shapes[1]
+            return 2.0 * m * k * n
+    except (TypeError, ValueError, IndexError):
+        return None
+    return None
+
+
+def print_profile(name: str, layout: str, peak: float) -> None:
+    """The profiled extra step of ``layout``'s last run, per rank: phases, FSDP and collectives, top
+    ops, and the GEMMs' share: their time and rate (from the recorded shapes) against ``peak``, the
+    matmul peak of one rank's threads, and what the rest of the step took."""
     from hyperpar.profile_report import load_profiles
 
     run_dir = LAST_RUN_DIR.get(layout)
@@ -212,8 +242,23 @@ def print_profile(name: str, layout: str) -> None:
         dist = f"; fsdp hooks {d['fsdp_hooks_s']:.3f}, collectives {d['collectives_s']:.3f}" if d["fsdp_hooks_s"] else ""
         print(f"{name:>14}: profiled step {d['step']} rank {d['rank']} ({d['step_time_s']:.3f} s under the profiler): "
               f"{spent} s{dist}")
-        print(" " * 16 + "top ops (self s, calls): " + ", ".join(
-            f"{o['name'][:40]} {o['self_s']:.3f} ({o['count']})" for o in d["top_ops"][:6]))
+        by_name: dict[str, list[float]] = {}  # rows are split by shape: summed per operator here
+        gemm_s = gemm_flop = 0.0
+        for o in d["top_ops"]:
+            acc = by_name.setdefault(o["name"], [0.0, 0])
+            acc[0] += o["self_s"]
+            acc[1] += o["count"]
+            f = gemm_flops(o["name"], o.get("input_shapes") or [])
+            if f is not None:
+                gemm_s += o["self_s"]
+                gemm_flop += f * o["count"]
+        top = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:6]
+        print(" " * 16 + "top ops (self s, calls): " + ", ".join(f"{n[:40]} {t:.3f} ({c})" for n, (t, c) in top))
+        if gemm_s:
+            rate = gemm_flop / gemm_s / 1e9
+            print(" " * 16 + f"GEMMs: {gemm_s:.3f} s for {gemm_flop / 1e12:.3f} TFLOP, {rate:.0f} GFLOP/s "
+                  f"({rate / peak:.2f} of this rank's peak, {peak:.0f}); the rest of the step "
+                  f"{d['step_time_s'] - gemm_s:.3f} s")
 
 
 def run_floor(ckpt: Path, a, steps: int, work: Path, extra: list[str]) -> tuple[list[dict], None]:
@@ -350,9 +395,9 @@ def main() -> None:
     if "transformers ftz" in rows:
         print(f"ratio transformers (flush-to-zero) / ours: {rows['transformers ftz']['median_s'] / rows['ours']['median_s']:.2f}x")
     if a.profile:
-        print_profile("ours", "single")
-        if a.fsdp:
-            print_profile("ours fsdp2", "fsdp2")
+        print_profile("ours", "single", peak)
+        if a.fsdp:  # a rank runs threads/2 of the threads the peak was measured on
+            print_profile("ours fsdp2", "fsdp2", peak / 2)
     if "ours fsdp2" in rows:
         print(f"fsdp2 / single step time: {rows['ours fsdp2']['median_s'] / rows['ours']['median_s']:.3f}x")
     if "2 x single" in rows:
