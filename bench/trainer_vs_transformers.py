@@ -234,7 +234,7 @@ def print_profile(name: str, layout: str, peak: float) -> None:
     """The profiled extra step of ``layout``'s last run, per rank: phases, FSDP and collectives, top
     ops, and the GEMMs' share: their time and rate (from the recorded shapes) against ``peak``, the
     matmul peak of one rank's threads, and what the rest of the step took."""
-    from hyperpar.profile_report import load_profiles
+    from hyperpar.profile_report import load_profiles, mean_over_ranks
 
     run_dir = LAST_RUN_DIR.get(layout)
     for d in (d for ranks in load_profiles(run_dir).values() for d in ranks) if run_dir else []:
@@ -242,18 +242,16 @@ def print_profile(name: str, layout: str, peak: float) -> None:
         dist = f"; fsdp hooks {d['fsdp_hooks_s']:.3f}, collectives {d['collectives_s']:.3f}" if d["fsdp_hooks_s"] else ""
         print(f"{name:>14}: profiled step {d['step']} rank {d['rank']} ({d['step_time_s']:.3f} s under the profiler): "
               f"{spent} s{dist}")
-        by_name: dict[str, list[float]] = {}  # rows are split by shape: summed per operator here
+        ops = mean_over_ranks([d])  # rows are split by shape: summed per operator (compiled graphs one bucket)
+        top = sorted(ops["ops_s"].items(), key=lambda kv: -kv[1])[:6]
+        print(" " * 16 + "top ops (self s, calls): " + ", ".join(
+            f"{n[:40]} {t:.3f} ({ops['calls'][n]:.0f})" for n, t in top))
         gemm_s = gemm_flop = 0.0
         for o in d["top_ops"]:
-            acc = by_name.setdefault(o["name"], [0.0, 0])
-            acc[0] += o["self_s"]
-            acc[1] += o["count"]
             f = gemm_flops(o["name"], o.get("input_shapes") or [])
             if f is not None:
                 gemm_s += o["self_s"]
                 gemm_flop += f * o["count"]
-        top = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:6]
-        print(" " * 16 + "top ops (self s, calls): " + ", ".join(f"{n[:40]} {t:.3f} ({c})" for n, (t, c) in top))
         if gemm_s:
             rate = gemm_flop / gemm_s / 1e9
             print(" " * 16 + f"GEMMs: {gemm_s:.3f} s for {gemm_flop / 1e12:.3f} TFLOP, {rate:.0f} GFLOP/s "
