@@ -66,6 +66,8 @@ class Plan:
             + (f"; {self.tp_split_params / 1e6:.3f} M split over tp = {p.tp}, "
                f"{(self.total_params - self.tp_split_params) / 1e6:.3f} M whole on every tp rank)" if p.tp > 1 else ")"),
             *([f"tensor par  {self.tp_setup}"] if p.tp > 1 else []),
+            *([f"vocabulary  embedding and head sharded by vocabulary over dp_shard = {p.dp_shard}, never gathered; "
+               "the ranks exchange tokens (parallel.fsdp_vocab_parallel)"] if p.fsdp_vocab_parallel and p.dp_shard > 1 else []),
             *([f"pipeline    {self.pp_setup}"] if self.pp_setup else []),
             *([f"rows        {self.row_padding}"] if self.row_padding else []),
             *([f"collectives {self.collectives}"] if self.collectives else []),
@@ -106,12 +108,16 @@ def _block_sizes(model: nn.Module, tp_split: set[str] = frozenset(), tp: int = 1
         yield sum(_rank_share(names.get(id(p), ""), p, tp_split, tp, ep) for p in block.parameters())
 
 
-def _root_unit_size(model: nn.Module, tp_split: set[str], tp: int, pp: int, shared_embedding: bool) -> float:
+def _root_unit_size(model: nn.Module, tp_split: set[str], tp: int, pp: int, shared_embedding: bool,
+                    vocab_sharded: bool = False) -> float:
     """Parameter count per rank of the root FSDP unit (what no block holds: embeddings, the vision
     tower's patch embedding and merger, final norm, head), its tensor-parallel split parameters at the
     tp rank's part. Under pp the first stage's root holds the embeddings and the vision tower's, the
-    last the rest (and the embedding too where ``shared_embedding``): the larger of the two."""
+    last the rest (and the embedding too where ``shared_embedding``): the larger of the two.
+    ``vocab_sharded`` (parallel.fsdp_vocab_parallel): the embedding and head are never gathered."""
     in_blocks = {id(p) for block in _blocks(model) for p in block.parameters()}
+    if vocab_sharded:
+        in_blocks |= {id(p) for n, p in model.named_parameters() if "embed_tokens" in n or "lm_head" in n}
     first = last = 0.0
     for name, p in model.named_parameters():
         if id(p) in in_blocks:
@@ -187,6 +193,13 @@ def check_mtp(weight: float, model_name: str, args: object, seq_len: int = 2) ->
                           hint="raise train.seq_len or set model.mtp_loss_weight=0")
 
 
+def _check_vocab_parallel(pdims: ParallelDims, train_cfg) -> None:
+    if pdims.fsdp_vocab_parallel:
+        from hyperpar.distributed.dp_vocab import check
+
+        check(pdims, dtype_of(train_cfg.mixed_precision.param_dtype))
+
+
 def make_plan(cfg: DictConfig, *, strict: bool = True) -> Plan:
     """Build the plan; with ``strict`` raise the first problem as a PlanError."""
     from hyperpar.config import build as instantiate
@@ -205,7 +218,8 @@ def make_plan(cfg: DictConfig, *, strict: bool = True) -> Plan:
     for check in (pdims.check_supported, lambda: check_compile(pdims, t),
                   lambda: pp_job.append(PipelineJob.check(cfg, pdims, cfg.model.name, builder.args)),
                   lambda: pdims.check_model(builder.geometry(), global_batch_size=t.global_batch_size,
-                                            micro_batch_size=t.micro_batch_size)):
+                                            micro_batch_size=t.micro_batch_size),
+                  lambda: _check_vocab_parallel(pdims, t)):
         try:
             check()
         except PlanError as e:
@@ -256,7 +270,8 @@ def make_plan(cfg: DictConfig, *, strict: bool = True) -> Plan:
 
     shared = shares_embedding(builder.args)
     # The root stays gathered for the whole step (fsdp.apply_fsdp: reshard_after_forward=False).
-    root = _root_unit_size(meta, split_names, pdims.tp, pdims.pp, shared)
+    root = _root_unit_size(meta, split_names, pdims.tp, pdims.pp, shared,
+                           vocab_sharded=pdims.fsdp_vocab_parallel and pdims.dp_shard > 1)
     unit = max(largest, root)
     reduce = reduce_dtype.itemsize
     from hyperpar.distributed.one_rank_cast import planned

@@ -39,6 +39,15 @@ def apply_ac_and_dp(
         log.info("train.compile: %d decoder blocks compiled (attention core and MoE block eager, "
                  "the chunked delta rule a graph of its own)", n)
     mp = train_cfg.mixed_precision
+    vocab_sharded: set = set()
+    if getattr(parallel_dims, "fsdp_vocab_parallel", False):
+        from hyperpar.distributed import dp_vocab
+
+        dp_vocab.check(parallel_dims, dtype_of(mp.param_dtype))
+    if getattr(parallel_dims, "fsdp_vocab_parallel", False) and parallel_dims.dp_shard > 1:
+        vocab_sharded = dp_vocab.shard_vocab(model, parallel_dims.submesh("dp_shard"))
+        log.info("parallel.fsdp_vocab_parallel: the embedding and head sharded by vocabulary over %d FSDP ranks "
+                 "(%d parameter(s) left out of FSDP)", parallel_dims.dp_shard, len(vocab_sharded))
     experts = list(expert_parallel_modules(model)) if parallel_dims.ep > 1 else []
     apply_fsdp(
         model,
@@ -52,5 +61,6 @@ def apply_ac_and_dp(
         # a pipeline stage's schedule interleaves micro-batches' forwards and backwards, which the
         # one-rank casts (held from a forward to the end of its backward) do not follow
         one_rank_cast=bool(mp.one_rank_cast) and parallel_dims.pp == 1,
+        ignored_params=vocab_sharded,
     )
     return model

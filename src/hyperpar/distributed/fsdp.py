@@ -34,6 +34,7 @@ def apply_fsdp(
     expert_units: Iterable[nn.Module] = (),
     expert_mesh=None,
     one_rank_cast: bool = False,
+    ignored_params: set[nn.Parameter] | None = None,
 ) -> nn.Module:
     """Shard each block as its own unit, then the root (embeddings, final norm, head, tied weights).
 
@@ -41,7 +42,8 @@ def apply_fsdp(
     ``expert_mesh`` (the data-parallel ranks left after ep), sharded before the blocks holding them.
     The model stays plain where ``one_rank_is_plain`` says FSDP would be copies only. With
     ``one_rank_cast`` (the caller's choice: one pipeline stage, ``train.mixed_precision.one_rank_cast``),
-    a one-rank CPU mesh whose policy only casts gets ``OneRankCast`` instead of FSDP (see its module)."""
+    a one-rank CPU mesh whose policy only casts gets ``OneRankCast`` instead of FSDP (see its module).
+    ``ignored_params`` (the root's vocabulary-sharded weights, ``dp_vocab``) stay out of every unit."""
     if one_rank_is_plain(model, mesh, expert_mesh, param_dtype, reduce_dtype):
         return model
     blocks = list(blocks)
@@ -60,7 +62,7 @@ def apply_fsdp(
     # The root (embeddings, final norm, head) is gathered from its pre-backward, the first of the
     # backward, to its post-backward, the last: resharding it after forward would only free it and
     # all-gather the largest unit again right away (FSDP's own default for a root).
-    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False, ignored_params=ignored_params or None)
     # Loss is a sum over the global batch divided by the global token count (see train/objective.py), so
     # gradients must be summed over data-parallel ranks, not averaged. On one rank FSDP's default is
     # that sum already, and a set factor (even 1.0) would cost a division pass over every gradient.

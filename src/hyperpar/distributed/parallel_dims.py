@@ -43,6 +43,7 @@ class ParallelDims:
     vision_tp: bool = False
     replicate_kv_heads: bool = True
     fsdp_reshard_after_forward: bool = True
+    fsdp_vocab_parallel: bool = False
     _mesh: Any = field(default=None, repr=False, compare=False)
     _flat: dict = field(default_factory=dict, repr=False, compare=False)
 

@@ -54,6 +54,11 @@ def token_loss_sum(logits: torch.Tensor | HeadInput, labels: torch.Tensor,
     the fused kernel applies in its forward, and the plain one too with ``logit_grad_in_forward``
     (then the logits' gradient lives from this forward to the backward). ``compiled``
     (``train.compile``): the kernels' per-row passes compiled. A plain scalar."""
+    if isinstance(logits, HeadInput) and isinstance(logits.weight, DTensor):  # parallel.fsdp_vocab_parallel
+        from hyperpar.distributed.dp_vocab import sharded_linear_cross_entropy_sum
+
+        hint = grad_hint if grad_hint is not None else torch.ones((), dtype=torch.float32, device=labels.device)
+        return sharded_linear_cross_entropy_sum(logits.hidden.flatten(0, -2), logits.weight, labels.flatten(), hint)
     if isinstance(logits, HeadInput):
         return linear_cross_entropy_sum(logits.hidden.flatten(0, -2), logits.weight, labels.flatten(),
                                         grad_hint if grad_hint is not None else 1.0, compiled=compiled)

@@ -9,6 +9,9 @@ the (tokens x vocab) logits and their gradient are never whole. So does a 16-bit
 16-bit matmuls run as fp32 GEMMs (``train.mixed_precision.cpu_matmul``): the kernel rounds to 16 bits
 where the 16-bit head would. Anything else gets logits as before.
 Called outside training (HF parity, export, evaluation) the flag is off and ``forward`` is ``Linear``'s.
+A weight sharded by vocabulary over the data-parallel ranks (``parallel.fsdp_vocab_parallel``,
+``distributed/dp_vocab.py``) is always handed over fused (the objective's sharded kernel), or
+gathered whole where the flag is off.
 """
 
 from __future__ import annotations
@@ -45,6 +48,12 @@ class LMHead(Linear):
     fused_loss = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | HeadInput:  # type: ignore[override]
+        if getattr(self, "_hyperpar_dp_vocab", False) and isinstance(self.weight, DTensor):
+            # vocabulary rows spread over the data-parallel ranks (parallel.fsdp_vocab_parallel): the
+            # objective's sharded kernel, or (outside it) logits from the gathered weight
+            if self.fused_loss:
+                return HeadInput(x, self.weight)
+            return nn.functional.linear(x, self.weight.full_tensor())
         if self.fused_loss and torch.is_grad_enabled() and HeadInput.fusable(x, self.weight, self.bias):
             return HeadInput(x, self.weight)
         return super().forward(x)

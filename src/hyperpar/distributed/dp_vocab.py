@@ -1,0 +1,242 @@
+"""The embedding and the head sharded by vocabulary over the FSDP ranks (``parallel.fsdp_vocab_parallel``).
+
+FSDP gathers every unit's whole weight on every rank. For the root unit, the input embedding and the
+head, that is the largest gather of the step and grows with the vocabulary (2 x 248k x hidden for
+an untied Qwen3.5), while the activations those weights meet are small: a rank's own tokens.
+Here each rank keeps its vocabulary rows (``Shard(0)`` over the FSDP mesh, torch.chunk's split, the
+placement FSDP's own shards have) and the ranks exchange tokens instead of weights:
+
+- embedding: the token ids are all-gathered, each rank looks up the ids in its rows (zeros
+  elsewhere) for every rank's tokens, and a reduce-scatter hands each rank its own tokens' vectors
+  (one rank contributes each value, the others exact zeros). Backward all-gathers the vectors'
+  gradients and each rank adds them into its own rows.
+- head + loss: the final hidden states and labels are all-gathered; each rank forms the logits of
+  every rank's tokens over its rows, chunk by chunk, with the softmax's max and sum (and the target
+  logit) all-reduced per chunk, turns them into their gradient in place, and accumulates its rows'
+  weight gradient (whole: every token of the step has been seen) and the hidden states' partial
+  gradient, which a reduce-scatter sums over the vocabulary shards into each rank's own rows.
+
+Per step and micro-batch that moves tokens x hidden values four times instead of the two weights
+(gathered, and their gradients reduce-scattered); the weights' gradients need no reduction at all.
+It pays while the data-parallel ranks' tokens together are fewer than the vocabulary. The step's
+loss and gradients are the same sums as one process's, in another order (fp32 parity).
+
+Supported with FSDP alone, experts included; refused with tp, cp, pp, dp_replicate and 16-bit
+parameters (``check``). With one FSDP rank there is nothing to shard and the option changes nothing
+(a parity sweep's ``single`` job runs as ever).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+from hyperpar.errors import PlanError
+
+IGNORE_INDEX = -100
+_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def check(parallel_dims, param_dtype: torch.dtype) -> None:
+    """PlanError for a layout the vocabulary sharding does not cover."""
+    bad = [f"{axis}={getattr(parallel_dims, axis)}" for axis in ("tp", "cp", "pp", "dp_replicate")
+           if getattr(parallel_dims, axis) > 1]
+    if param_dtype != torch.float32:
+        bad.append(f"param_dtype={str(param_dtype).removeprefix('torch.')}")
+    if bad:
+        raise PlanError(f"not supported: parallel.fsdp_vocab_parallel with {', '.join(bad)}",
+                        hint="it shards the embedding and head over plain FSDP ranks in fp32; set "
+                        "parallel.fsdp_vocab_parallel=false for this layout")
+
+
+def _vocab_range(weight: DTensor) -> tuple[int, int]:
+    """This rank's rows [lo, hi) of a Shard(0) weight, by torch.chunk's split (DTensor's own)."""
+    mesh = weight.device_mesh
+    n, rank = mesh.size(), mesh.get_local_rank()
+    per = -(-weight.shape[0] // n)
+    lo = min(per * rank, weight.shape[0])
+    return lo, lo + weight.to_local().shape[0]
+
+
+def is_vocab_sharded(module: nn.Module) -> bool:
+    """``module``'s weight is sharded by ``shard_vocab`` (the mark is the module's: materialising
+    replaces the parameter objects)."""
+    return getattr(module, "_hyperpar_dp_vocab", False) and isinstance(module.weight, DTensor)
+
+
+def shard_vocab(model: nn.Module, mesh) -> set[nn.Parameter]:
+    """Turn the text embedding and every ``LMHead``'s weight (one parameter when tied) into
+    ``Shard(0)`` DTensors on ``mesh``, route the embeddings through ``VocabShardedEmbedding``, and
+    return the parameters FSDP must leave alone (``fully_shard(..., ignored_params=...)``)."""
+    from hyperpar.models.layers.lm_head import LMHead
+
+    vocab = {m.weight.shape[0] for m in model.modules() if isinstance(m, LMHead)}
+    targets: list[nn.Module] = [m for m in model.modules() if isinstance(m, LMHead)]
+    targets += [m for m in model.modules() if type(m) is nn.Embedding and m.num_embeddings in vocab]
+    if not targets:
+        raise PlanError("parallel.fsdp_vocab_parallel: the model has no LM head to shard")
+    done: dict[int, nn.Parameter] = {}
+    for module in targets:
+        w = module.weight
+        if id(w) not in done:
+            done[id(w)] = nn.Parameter(distribute_tensor(w.data, mesh, [Shard(0)], src_data_rank=None), w.requires_grad)
+        module.weight = done[id(w)]
+        module._hyperpar_dp_vocab = True
+        if isinstance(module, nn.Embedding):
+            module.__class__ = VocabShardedEmbedding
+    return set(done.values())
+
+
+class VocabShardedEmbedding(nn.Embedding):
+    """``nn.Embedding`` (same parameter and keys) whose weight is vocabulary-sharded over the
+    data-parallel ranks: every rank must call it, with its own ids, once per call site."""
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        if not is_vocab_sharded(self):
+            return super().forward(input_ids)
+        lo, hi = _vocab_range(self.weight)
+        out = _ShardedLookup.apply(input_ids.reshape(-1), self.weight.to_local(), lo, hi,
+                                   self.weight.device_mesh.get_group())
+        return out.view(*input_ids.shape, out.shape[-1])
+
+
+def _rows_of_every_rank(x: torch.Tensor, group, pad: float | int) -> tuple[torch.Tensor, list[int], int]:
+    """All-gather (T_r, ...) tensors whose T_r may differ: (ranks x max T, ...) with each rank's rows
+    padded by ``pad`` at the end of its block; the ranks' T_r and the block size."""
+    n = dist.get_world_size(group)
+    size = torch.tensor([x.shape[0]], dtype=torch.int64, device=x.device)
+    sizes = torch.empty(n, dtype=torch.int64, device=x.device)
+    _gather(sizes, size, group=group)
+    counts = sizes.tolist()
+    block = max(counts)
+    if x.shape[0] < block:
+        x = torch.cat([x, x.new_full((block - x.shape[0], *x.shape[1:]), pad)])
+    out = x.new_empty((n * block, *x.shape[1:]))
+    _gather(out, x.contiguous(), group=group)
+    return out, counts, block
+
+
+def _valid_rows(counts: list[int], block: int, device) -> torch.Tensor | None:
+    if all(c == block for c in counts):
+        return None
+    return torch.cat([torch.arange(block, device=device) < c for c in counts])
+
+
+def _scatter_own_rows(x: torch.Tensor, group, count: int) -> torch.Tensor:
+    """Reduce-scatter (ranks x block, ...) partial sums: this rank's block summed over the ranks,
+    cut to its ``count`` rows."""
+    n = dist.get_world_size(group)
+    out = x.new_empty((x.shape[0] // n, *x.shape[1:]))
+    dist.reduce_scatter_tensor(out, x.contiguous(), group=group)
+    return out[:count]
+
+
+class _ShardedLookup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, ids: torch.Tensor, weight: torch.Tensor, lo: int, hi: int, group) -> torch.Tensor:  # type: ignore[override]
+        every, counts, block = _rows_of_every_rank(ids, group, pad=-1)
+        mine = (every >= lo) & (every < hi)
+        local = (every - lo).masked_fill_(~mine, 0)
+        vectors = nn.functional.embedding(local, weight)
+        vectors.masked_fill_(~mine.unsqueeze(1), 0.0)
+        ctx.save_for_backward(local, mine)
+        ctx.group, ctx.rows, ctx.count = group, weight.shape[0], ids.shape[0]
+        ctx.block = block
+        return _scatter_own_rows(vectors, group, ids.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        local, mine = ctx.saved_tensors
+        if grad.shape[0] < ctx.block:
+            grad = torch.cat([grad, grad.new_zeros((ctx.block - grad.shape[0], grad.shape[1]))])
+        every = grad.new_empty((local.shape[0], grad.shape[1]))
+        _gather(every, grad.contiguous(), group=ctx.group)
+        dw = every.new_zeros((ctx.rows, every.shape[1]))
+        dw.index_add_(0, local[mine], every[mine])
+        return None, dw, None, None, None
+
+
+def _head_rows(vocab_local: int) -> int:
+    # ~256 MB of fp32 logits per chunk, as the one-rank fused head (train/cross_entropy.py)
+    return max(256, (1 << 26) // max(vocab_local, 1))
+
+
+class _ShardedLinearCrossEntropySum(torch.autograd.Function):
+    """Σ CE of ``hidden @ weight.T`` over this rank's tokens, with ``weight`` this rank's vocabulary
+    rows [lo, hi): every rank's tokens pass through every rank's rows (module docstring). Both
+    gradients are formed in the forward for the upstream gradient ``grad_hint`` (each rank's own;
+    the objective's 1 / global tokens is the same everywhere); the backward checks that every
+    rank's real upstream gradient has the same ratio to its hint and rescales by it."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,  # type: ignore[override]
+                grad_hint: torch.Tensor, grads: bool, lo: int, hi: int, group) -> torch.Tensor:
+        n = dist.get_world_size(group)
+        T = hidden.shape[0]
+        want_h, want_w = (bool(ctx.needs_input_grad[i]) and grads for i in (0, 1))
+        h_all, counts, block = _rows_of_every_rank(hidden.float(), group, pad=0.0)
+        labels_all, _, _ = _rows_of_every_rank(labels, group, pad=IGNORE_INDEX)
+        hints = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        _gather(hints, grad_hint.float().reshape(1), group=group)
+        valid = labels_all != IGNORE_INDEX
+        mine = valid & (labels_all >= lo) & (labels_all < hi)
+        local = (labels_all - lo).masked_fill_(~mine, 0).unsqueeze(1)
+        scale = hints.repeat_interleave(block) * valid.float()  # each row's gradient: its rank's hint
+        w = weight.float()
+        rows_all = h_all.shape[0]
+        nll = torch.empty(rows_all, dtype=torch.float32, device=hidden.device)
+        dh = torch.zeros_like(h_all) if want_h else None
+        dw = torch.zeros_like(w) if want_w else None
+        step = _head_rows(w.shape[0])
+        for a in range(0, rows_all, step):
+            rows = slice(a, min(a + step, rows_all))
+            h = h_all[rows]
+            p = h @ w.t()  # (rows, V_local)
+            m = p.amax(dim=1) if p.shape[1] else p.new_full((p.shape[0],), float("-inf"))
+            dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+            p.sub_(m.unsqueeze(1))
+            picked = p.gather(1, local[rows]).squeeze(1) * mine[rows]
+            p.exp_()
+            sums = torch.stack([p.sum(dim=1), picked])
+            dist.all_reduce(sums, group=group)
+            nll[rows] = sums[0].log() - sums[1]
+            if want_h or want_w:
+                p.mul_((scale[rows] / sums[0]).unsqueeze(1))  # softmax x scale
+                p.scatter_add_(1, local[rows], -(scale[rows] * mine[rows]).unsqueeze(1))  # - onehot x scale
+                if want_h:
+                    dh[rows] = p @ w
+                if want_w:
+                    dw.addmm_(p.t(), h)
+        me = dist.get_rank(group)
+        own = slice(me * block, me * block + T)
+        loss = (nll[own] * valid[own]).sum()
+        dh_own = _scatter_own_rows(dh, group, T).to(hidden.dtype) if want_h else None
+        ctx.save_for_backward(dh_own, dw.to(weight.dtype) if dw is not None else None, grad_hint)
+        ctx.group = group
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        dh, dw, hint = ctx.saved_tensors
+        ratio = (grad.float() / hint.float()).reshape(1)
+        ratios = ratio.new_empty(dist.get_world_size(ctx.group))
+        _gather(ratios, ratio, group=ctx.group)
+        if not bool((ratios == ratios[0]).all()):
+            raise RuntimeError("the vocabulary-sharded head got upstream gradients in different ratios to "
+                               f"their hints on the data-parallel ranks ({ratios.tolist()}); its weight gradient "
+                               "sums every rank's tokens and needs one ratio")
+        if float(ratios[0]) != 1.0:
+            dh = dh * ratio.to(dh.dtype) if dh is not None else None
+            dw = dw * ratio.to(dw.dtype) if dw is not None else None
+        return dh, dw, None, None, None, None, None, None
+
+
+def sharded_linear_cross_entropy_sum(hidden: torch.Tensor, weight: DTensor, labels: torch.Tensor,
+                                     grad_hint: torch.Tensor) -> torch.Tensor:
+    """``linear_cross_entropy_sum`` for a vocabulary-sharded head weight (``shard_vocab``): this rank's
+    (T, H) ``hidden`` and (T,) ``labels``; a collective over the weight's mesh."""
+    lo, hi = _vocab_range(weight)
+    return _ShardedLinearCrossEntropySum.apply(hidden, weight.to_local(), labels, grad_hint, torch.is_grad_enabled(),
+                                               lo, hi, weight.device_mesh.get_group())
