@@ -12,12 +12,13 @@ side's median step time, tokens/s, fraction of the matmul peak reached in model 
 median step, and at the fastest, which tells a slow code path from a busy host), peak RSS
 per step, page faults per step on CPU (fresh memory faulted in: allocator churn), and the ratio
 transformers / ours (> 1: ours is faster). With ``--fsdp`` it also times
-``fsdp2`` (2 processes x threads/2) against ``single`` (same global batch): the FSDP overhead.
+``fsdp2`` (2 processes x threads/2) against ``single`` (same global batch): the FSDP overhead;
+``--vocab-parallel`` adds ``fsdp2`` with the embedding and head sharded by vocabulary over its ranks.
 
     python bench/trainer_vs_transformers.py --config dense_small --dtype fp32
     python bench/trainer_vs_transformers.py --config dense_small --dtype bf16
     python bench/trainer_vs_transformers.py --config moe_small --dtype fp32
-    python bench/trainer_vs_transformers.py --config dense_small --fsdp --no-transformers [--floor]
+    python bench/trainer_vs_transformers.py --config dense_small --fsdp --no-transformers [--floor] [--vocab-parallel]
     python bench/trainer_vs_transformers.py --device cuda --dtype bf16 --batch 16   # one GPU
 
 On ``--device cuda`` the peaks are cuBLAS's (fp32 without TF32, as the trainer runs by default) and
@@ -182,17 +183,19 @@ def _records(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-LAST_RUN_DIR: dict[str, Path] = {}  # layout -> its last run's directory (--profile reads it)
+LAST_RUN_DIR: dict[str, Path] = {}  # layout (or run_ours' key) -> its last run's directory (--profile reads it)
 
 
-def run_ours(ckpt: Path, a, steps: int, layout: str, work: Path, extra: list[str]) -> tuple[list[dict], float]:
+def run_ours(ckpt: Path, a, steps: int, layout: str, work: Path, extra: list[str],
+             key: str | None = None) -> tuple[list[dict], float]:
     """Per-step records of ``python -m hyperpar`` and the time from its start to its first step.
-    With ``--profile`` the run has one more step, profiled, left out of the records."""
+    With ``--profile`` the run has one more step, profiled, left out of the records. ``key``: the
+    name ``print_profile`` finds the run under (default: the layout)."""
     # shapes recorded (the GEMM rows of print_profile), and enough rows to hold every GEMM shape
     profiled = ([f"profile.steps=[{steps + 1}]", "profile.trace=false", "profile.row_limit=80",
                  "profile.record_shapes=true"] if a.profile else [])
     cmd, run_dir = _ours_cmd(ckpt, a, steps + 1 if a.profile else steps, layout, work, [*extra, *profiled])
-    LAST_RUN_DIR[layout] = run_dir
+    LAST_RUN_DIR[key or layout] = run_dir
     env = {**os.environ, "HYPERPAR_NO_BAR": "1"}
     t0 = time.perf_counter()
     res = subprocess.run(cmd, capture_output=True, text=True, env=env)
@@ -213,7 +216,7 @@ def gemm_flops(op: str, shapes: list) -> float | None:
         if op == "aten::mm":  # (M, K) @ (K, N)
             (m, k), (_, n) = shapes[0], shapes[1]
             return 2.0 * m * k * n
-        if op == "aten::addmm":  # bias, (M, K), (K, N)
+        if op in ("aten::addmm", "aten::addmm_"):  # bias / accumulator, (M, K), (K, N)
             (m, k), (_, n) = shapes[1], shapes[2]
             return 2.0 * m * k * n
         if op == "aten::bmm":  # (B, M, K) @ (B, K, N)
@@ -306,6 +309,9 @@ def main() -> None:
     ap.add_argument("--floor", action="store_true",
                     help="with --fsdp: also time two independent single runs at once (threads/2, half the batch "
                          "each, no communication), the floor of fsdp2 against single on this machine")
+    ap.add_argument("--vocab-parallel", action="store_true",
+                    help="with --fsdp: also time fsdp2 with the embedding and head sharded by vocabulary over "
+                         "its ranks (parallel.fsdp_vocab_parallel=true)")
     ap.add_argument("--no-transformers", action="store_true")
     ap.add_argument("--transformers-ftz", action="store_true",
                     help="also time transformers with subnormals flushed to zero, as our trainer runs by default")
@@ -364,6 +370,9 @@ def main() -> None:
             sides["transformers ftz"] = lambda: (run_theirs(ckpt, a, a.steps, ftz=True), None)
     if a.fsdp:
         sides["ours fsdp2"] = lambda: run_ours(ckpt, a, a.steps, "fsdp2", work, a.ours)
+        if a.vocab_parallel:
+            sides["fsdp2 vocab"] = lambda: run_ours(ckpt, a, a.steps, "fsdp2", work,
+                                                   [*a.ours, "parallel.fsdp_vocab_parallel=true"], key="fsdp2 vocab")
         if a.floor:
             sides["2 x single"] = lambda: run_floor(ckpt, a, a.steps, work, a.ours)
     recs: dict[str, list] = {k: [] for k in sides}
@@ -396,8 +405,13 @@ def main() -> None:
         print_profile("ours", "single", peak)
         if a.fsdp:  # a rank runs threads/2 of the threads the peak was measured on
             print_profile("ours fsdp2", "fsdp2", peak / 2)
+        if a.vocab_parallel:
+            print_profile("fsdp2 vocab", "fsdp2 vocab", peak / 2)
     if "ours fsdp2" in rows:
         print(f"fsdp2 / single step time: {rows['ours fsdp2']['median_s'] / rows['ours']['median_s']:.3f}x")
+    if "fsdp2 vocab" in rows:
+        print(f"fsdp2 with parallel.fsdp_vocab_parallel / single step time: "
+              f"{rows['fsdp2 vocab']['median_s'] / rows['ours']['median_s']:.3f}x")
     if "2 x single" in rows:
         print(f"floor (2 x single, no communication) / single step time: "
               f"{rows['2 x single']['median_s'] / rows['ours']['median_s']:.3f}x")

@@ -77,6 +77,11 @@ def shard_vocab(model: nn.Module, mesh) -> set[nn.Parameter]:
     targets += [m for m in model.modules() if type(m) is nn.Embedding and m.num_embeddings in vocab]
     if not targets:
         raise PlanError("parallel.fsdp_vocab_parallel: the model has no LM head to shard")
+    n = mesh.size()
+    for v in vocab:
+        if -(-v // n) * (n - 1) >= v:  # torch.chunk's split leaves the last rank nothing
+            raise PlanError(f"parallel.fsdp_vocab_parallel: vocabulary {v} leaves a rank of dp_shard {n} no rows",
+                            hint="set parallel.fsdp_vocab_parallel=false")
     done: dict[int, nn.Parameter] = {}
     for module in targets:
         w = module.weight
@@ -163,12 +168,36 @@ def _head_rows(vocab_local: int) -> int:
     return max(256, (1 << 26) // max(vocab_local, 1))
 
 
+def _block_rows(vocab_local: int) -> int:
+    # the element-wise passes work through ~16 MB of a chunk at a time, in cache (train/cross_entropy.py)
+    return max(1, (1 << 22) // max(vocab_local, 1))
+
+
+def _row_stats_(p: torch.Tensor, local: torch.Tensor, blk: int) -> torch.Tensor:
+    """(3, rows): each row's max over this rank's logits ``p``, the sum of exp(logit - that max), and
+    the target's logit (garbage where another rank holds the target; masked by the caller). ``p`` is
+    overwritten by exp(logit - its row's max), one block of rows at a time, in cache."""
+    stats = p.new_empty((3, p.shape[0]))
+    if p.shape[1] == 0:  # a rank with no vocabulary rows
+        stats[0], stats[1], stats[2] = float("-inf"), 0.0, 0.0
+        return stats
+    for b in range(0, p.shape[0], blk):
+        x = p[b:b + blk]
+        m = x.amax(dim=1, keepdim=True)
+        stats[0, b:b + blk] = m.squeeze(1)
+        stats[2, b:b + blk] = x.gather(1, local[b:b + blk]).squeeze(1)
+        stats[1, b:b + blk] = x.sub_(m).exp_().sum(dim=1)
+    return stats
+
+
 class _ShardedLinearCrossEntropySum(torch.autograd.Function):
     """Σ CE of ``hidden @ weight.T`` over this rank's tokens, with ``weight`` this rank's vocabulary
-    rows [lo, hi): every rank's tokens pass through every rank's rows (module docstring). Both
-    gradients are formed in the forward for the upstream gradient ``grad_hint`` (each rank's own;
-    the objective's 1 / global tokens is the same everywhere); the backward checks that every
-    rank's real upstream gradient has the same ratio to its hint and rescales by it."""
+    rows [lo, hi): every rank's tokens pass through every rank's rows (module docstring). Per chunk of
+    rows one all-gather of each rank's (max, sum of exps, target logit) per row gives the log-sum-exp;
+    the element-wise passes run over cache-sized blocks of the chunk. Both gradients are formed in the
+    forward for the upstream gradient ``grad_hint`` (each rank's own; the objective's 1 / global
+    tokens is the same everywhere); the backward checks that every rank's real upstream gradient has
+    the same ratio to its hint and rescales by it."""
 
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,  # type: ignore[override]
@@ -187,28 +216,37 @@ class _ShardedLinearCrossEntropySum(torch.autograd.Function):
         w = weight.float()
         rows_all = h_all.shape[0]
         nll = torch.empty(rows_all, dtype=torch.float32, device=hidden.device)
-        dh = torch.zeros_like(h_all) if want_h else None
-        dw = torch.zeros_like(w) if want_w else None
-        step = _head_rows(w.shape[0])
+        dh = torch.empty_like(h_all) if want_h else None
+        dw = None
+        step, blk = _head_rows(w.shape[0]), _block_rows(w.shape[0])
         for a in range(0, rows_all, step):
             rows = slice(a, min(a + step, rows_all))
             h = h_all[rows]
             p = h @ w.t()  # (rows, V_local)
-            m = p.amax(dim=1) if p.shape[1] else p.new_full((p.shape[0],), float("-inf"))
-            dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
-            p.sub_(m.unsqueeze(1))
-            picked = p.gather(1, local[rows]).squeeze(1) * mine[rows]
-            p.exp_()
-            sums = torch.stack([p.sum(dim=1), picked])
-            dist.all_reduce(sums, group=group)
-            nll[rows] = sums[0].log() - sums[1]
-            if want_h or want_w:
-                p.mul_((scale[rows] / sums[0]).unsqueeze(1))  # softmax x scale
-                p.scatter_add_(1, local[rows], -(scale[rows] * mine[rows]).unsqueeze(1))  # - onehot x scale
-                if want_h:
-                    dh[rows] = p @ w
-                if want_w:
-                    dw.addmm_(p.t(), h)
+            stats = _row_stats_(p, local[rows], blk)  # p: exp(logit - this rank's row max)
+            stats[2].mul_(mine[rows])
+            every = stats.new_empty((n * 3, stats.shape[1]))
+            _gather(every, stats, group=group)
+            every = every.view(n, 3, -1)
+            top = every[:, 0].amax(dim=0)
+            lse = top + (every[:, 1] * (every[:, 0] - top).exp()).sum(dim=0).log()
+            nll[rows] = lse - every[:, 2].sum(dim=0)
+            if not (want_h or want_w):
+                continue
+            g = scale[rows]
+            coef = (stats[0] - lse).exp_().mul_(g).unsqueeze(1)  # exp(max - lse) x scale
+            for b in range(0, p.shape[0], blk):  # softmax x scale - onehot x scale, in place
+                x = p[b:b + blk]
+                x.mul_(coef[b:b + blk])
+                x.scatter_add_(1, local[rows][b:b + blk], -(g[b:b + blk] * mine[rows][b:b + blk]).unsqueeze(1))
+            if want_h:
+                torch.mm(p, w, out=dh[rows])
+            if want_w and dw is None:
+                dw = p.t() @ h
+            elif want_w:
+                dw.addmm_(p.t(), h)
+        if want_w and dw is None:  # no rows at all
+            dw = torch.zeros_like(w)
         me = dist.get_rank(group)
         own = slice(me * block, me * block + T)
         loss = (nll[own] * valid[own]).sum()
