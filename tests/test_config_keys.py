@@ -320,6 +320,7 @@ EFFECTS: dict[str, Effect] = {
     "parallel.sequence_parallel": Effect("plan", ["parallel.sequence_parallel=false"], ["parallel=tp2"]),
     "parallel.vision_tp": Effect("plan", ["parallel.vision_tp=true"], ["model=qwen3_vl_moe", "parallel=tp2"]),
     "parallel.fsdp_reshard_after_forward": Effect("plan", ["parallel.fsdp_reshard_after_forward=false"], ["parallel=fsdp2"]),
+    "parallel.fsdp_vocab_parallel": Effect("plan", ["parallel.fsdp_vocab_parallel=true"], ["parallel=fsdp2"]),
     "parallel.replicate_kv_heads": Effect("plan", ["parallel.replicate_kv_heads=false"],
                                           ["parallel=tp2", "+model.overrides.num_key_value_heads=1"], may_refuse=True),
     # data: the samples of the type that reads the key; another type refuses it

@@ -139,6 +139,7 @@ def test_gradients_equal_one_process(model, extra, layout, world):
     ("fsdp2_cp2", [], "cp=2"),
     ("fsdp2_pp2", [], "pp=2"),
     ("fsdp2", ["train.mixed_precision.param_dtype=bfloat16"], "param_dtype=bfloat16"),
+    ("fsdp2", ["train.fused_head_loss=false"], "train.fused_head_loss=false"),
 ])
 def test_refused_layouts_are_one_plan_error(layout, extra, what):
     from hyperpar.errors import PlanError

@@ -43,7 +43,7 @@ def apply_ac_and_dp(
     if getattr(parallel_dims, "fsdp_vocab_parallel", False):
         from hyperpar.distributed import dp_vocab
 
-        dp_vocab.check(parallel_dims, dtype_of(mp.param_dtype))
+        dp_vocab.check(parallel_dims, dtype_of(mp.param_dtype), bool(train_cfg.fused_head_loss))
     if getattr(parallel_dims, "fsdp_vocab_parallel", False) and parallel_dims.dp_shard > 1:
         vocab_sharded = dp_vocab.shard_vocab(model, parallel_dims.submesh("dp_shard"))
         log.info("parallel.fsdp_vocab_parallel: the embedding and head sharded by vocabulary over %d FSDP ranks "

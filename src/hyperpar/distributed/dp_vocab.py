@@ -39,12 +39,14 @@ IGNORE_INDEX = -100
 _gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-def check(parallel_dims, param_dtype: torch.dtype) -> None:
+def check(parallel_dims, param_dtype: torch.dtype, fused_head_loss: bool = True) -> None:
     """PlanError for a layout the vocabulary sharding does not cover."""
     bad = [f"{axis}={getattr(parallel_dims, axis)}" for axis in ("tp", "cp", "pp", "dp_replicate")
            if getattr(parallel_dims, axis) > 1]
     if param_dtype != torch.float32:
         bad.append(f"param_dtype={str(param_dtype).removeprefix('torch.')}")
+    if not fused_head_loss:  # the head's matmul lives in the sharded loss kernel
+        bad.append("train.fused_head_loss=false")
     if bad:
         raise PlanError(f"not supported: parallel.fsdp_vocab_parallel with {', '.join(bad)}",
                         hint="it shards the embedding and head over plain FSDP ranks in fp32; set "
@@ -74,7 +76,9 @@ def shard_vocab(model: nn.Module, mesh) -> set[nn.Parameter]:
 
     vocab = {m.weight.shape[0] for m in model.modules() if isinstance(m, LMHead)}
     targets: list[nn.Module] = [m for m in model.modules() if isinstance(m, LMHead)]
-    targets += [m for m in model.modules() if type(m) is nn.Embedding and m.num_embeddings in vocab]
+    # the text model's token embedding (a vision tower's position table is an nn.Embedding too)
+    targets += [m for name, m in model.named_modules()
+                if name.rsplit(".", 1)[-1] == "embed_tokens" and type(m) is nn.Embedding and m.num_embeddings in vocab]
     if not targets:
         raise PlanError("parallel.fsdp_vocab_parallel: the model has no LM head to shard")
     n = mesh.size()

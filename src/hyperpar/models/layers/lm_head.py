@@ -10,8 +10,8 @@ the (tokens x vocab) logits and their gradient are never whole. So does a 16-bit
 where the 16-bit head would. Anything else gets logits as before.
 Called outside training (HF parity, export, evaluation) the flag is off and ``forward`` is ``Linear``'s.
 A weight sharded by vocabulary over the data-parallel ranks (``parallel.fsdp_vocab_parallel``,
-``distributed/dp_vocab.py``) is always handed over fused (the objective's sharded kernel), or
-gathered whole where the flag is off.
+``distributed/dp_vocab.py``) is always handed over fused (the objective's sharded kernel), or,
+outside training (no gradient), gathered whole where the flag is off.
 """
 
 from __future__ import annotations
@@ -53,6 +53,10 @@ class LMHead(Linear):
             # objective's sharded kernel, or (outside it) logits from the gathered weight
             if self.fused_loss:
                 return HeadInput(x, self.weight)
+            if torch.is_grad_enabled():
+                # full_tensor()'s backward would keep only this rank's tokens' share of the gradient
+                raise RuntimeError("a vocabulary-sharded head (parallel.fsdp_vocab_parallel) trains only through "
+                                   "the fused loss (train.fused_head_loss=true)")
             return nn.functional.linear(x, self.weight.full_tensor())
         if self.fused_loss and torch.is_grad_enabled() and HeadInput.fusable(x, self.weight, self.bias):
             return HeadInput(x, self.weight)
