@@ -72,6 +72,30 @@ def _kernel_worker(rank: int, world: int, port: int, out: str) -> None:
             report[f"loss_{upstream}"] = (total - ref.detach()).abs().item() / ref.abs().item()
             report[f"dh_{upstream}"] = (h.grad - _own(h_ref.grad, rank)).abs().max().item()
             report[f"dw_{upstream}"] = (w.grad.full_tensor() - w_ref.grad).abs().max().item()
+        # 16-bit compute: GEMMs in fp32 on the bf16 values (cpu_matmul=fp32) or in bf16 (native), logits and
+        # their gradient rounded to bf16: against fp64 on the bf16-rounded inputs
+        from hyperpar.models.layers import cpu_matmul
+
+        h16, w16 = hidden.bfloat16(), weight.bfloat16()
+        h64, w64 = h16.double().requires_grad_(), w16.double().requires_grad_()
+        (torch.nn.functional.cross_entropy(h64 @ w64.t(), labels, ignore_index=-100, reduction="sum") / tokens).backward()
+        for policy in ("fp32", "native"):
+            before = cpu_matmul.set_policy(policy)
+            try:
+                w = torch.nn.Parameter(distribute_tensor(weight.clone(), mesh, [Shard(0)]))
+                h = _own(h16, rank).clone().requires_grad_()
+                loss = dp_vocab.sharded_linear_cross_entropy_sum(h, w, _own(labels, rank), 1.0 / tokens)
+                (loss / tokens).backward()
+            finally:
+                cpu_matmul.set_policy(before)
+            total = loss.detach().float().clone()
+            dist.all_reduce(total)
+            ref = h64.grad.float()
+            report[f"bf16_{policy}_dtypes_ok"] = float(h.grad.dtype == torch.bfloat16 and w.grad.dtype == torch.float32)
+            ce = torch.nn.functional.cross_entropy(h64 @ w64.t(), labels, ignore_index=-100, reduction="sum").item()
+            report[f"bf16_{policy}_loss"] = abs(total.item() - ce) / ce
+            report[f"bf16_{policy}_dh"] = ((h.grad.float() - _own(ref, rank)).abs().max() / ref.abs().max()).item()
+            report[f"bf16_{policy}_dw"] = ((w.grad.full_tensor() - w64.grad.float()).abs().max() / w64.grad.abs().max()).item()
         # the embedding: lookup and gradient
         emb = torch.nn.Embedding(VOCAB, HIDDEN)
         emb.weight = torch.nn.Parameter(distribute_tensor(weight.clone(), mesh, [Shard(0)]))
@@ -106,13 +130,17 @@ def _kernel_worker(rank: int, world: int, port: int, out: str) -> None:
 def test_sharded_head_and_lookup_equal_one_process(tmp_path):
     """Uneven token counts per rank, uneven vocabulary shards, ignored labels: the summed loss, each
     rank's hidden-state gradient and the whole weight gradient equal the one-process fused head's;
-    the lookup and its gradient equal ``F.embedding``'s."""
+    the lookup and its gradient equal ``F.embedding``'s. bf16 hidden states (GEMMs in fp32 on the bf16
+    values, or in bf16): within bf16 rounding of fp64 on the same values, the weight's gradient fp32."""
     import torch.multiprocessing as mp
 
     mp.spawn(_kernel_worker, args=(WORLD, free_port(), str(tmp_path)), nprocs=WORLD, join=True)
     for r in range(WORLD):
         rep = json.loads((tmp_path / f"rank{r}.json").read_text())
         assert rep.pop("lookup_shape_ok") == 1.0 and rep.pop("ratio_refused") == 1.0, rep
+        half = {k: rep.pop(k) for k in list(rep) if k.startswith("bf16_")}
+        assert all(half.pop(f"bf16_{p}_dtypes_ok") == 1.0 for p in ("fp32", "native")), half
+        assert all(v <= 2e-2 for v in half.values()), (r, half)  # bf16 rounding of logits and gradients
         assert rep.pop("lookup") == 0.0, rep  # one rank contributes each vector, the others exact zeros
         assert all(v <= 1e-6 for v in rep.values()), (r, rep)
 
@@ -122,15 +150,18 @@ def test_sharded_head_and_lookup_equal_one_process(tmp_path):
 STEP = ["train.seq_len=64", "train.global_batch_size=4", "train.micro_batch_size=1", "parallel.fsdp_vocab_parallel=true"]
 
 
-@pytest.mark.parametrize(("model", "extra", "layout", "world"), [
+@pytest.mark.parametrize(("model", "extra", "layout", "world", "tol"), [
     # untied, MTP (the head and the embedding called twice), aux loss, two micro-batches per rank
-    ("qwen3_5_moe", ["model.mtp_loss_weight=0.3"], "fsdp2", 2),
+    ("qwen3_5_moe", ["model.mtp_loss_weight=0.3"], "fsdp2", 2, 1e-5),
     # tied (one parameter, both gradients), over 4 ranks: one micro-batch each
-    ("qwen3_5", ["+model.overrides.tie_word_embeddings=true"], "fsdp4", 4),
-    pytest.param("qwen3_vl_moe", ["data=vl_dummy"], "fsdp2", 2, marks=pytest.mark.full),
+    ("qwen3_5", ["+model.overrides.tie_word_embeddings=true"], "fsdp4", 4, 1e-5),
+    # bf16 compute against the one-rank bf16 step: the embedding's and head's weight gradients are summed
+    # in fp32 here (FSDP rounds each rank's to bf16 first), so within bf16 rounding
+    ("qwen3_5", ["train.mixed_precision.param_dtype=bfloat16"], "fsdp2", 2, 2e-3),
+    pytest.param("qwen3_vl_moe", ["data=vl_dummy"], "fsdp2", 2, 1e-5, marks=pytest.mark.full),
 ])
-def test_gradients_equal_one_process(model, extra, layout, world):
-    assert_layout_matches_single([f"model={model}", *STEP, *extra], layout, world)
+def test_gradients_equal_one_process(model, extra, layout, world, tol):
+    assert_layout_matches_single([f"model={model}", *STEP, *extra], layout, world, tol=tol)
 
 
 @pytest.mark.parametrize(("layout", "extra", "what"), [
@@ -138,7 +169,6 @@ def test_gradients_equal_one_process(model, extra, layout, world):
     ("hsdp2x2", [], "dp_replicate=2"),
     ("fsdp2_cp2", [], "cp=2"),
     ("fsdp2_pp2", [], "pp=2"),
-    ("fsdp2", ["train.mixed_precision.param_dtype=bfloat16"], "param_dtype=bfloat16"),
     ("fsdp2", ["train.fused_head_loss=false"], "train.fused_head_loss=false"),
 ])
 def test_refused_layouts_are_one_plan_error(layout, extra, what):

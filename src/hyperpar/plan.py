@@ -197,7 +197,7 @@ def _check_vocab_parallel(pdims: ParallelDims, train_cfg) -> None:
     if pdims.fsdp_vocab_parallel:
         from hyperpar.distributed.dp_vocab import check
 
-        check(pdims, dtype_of(train_cfg.mixed_precision.param_dtype), bool(train_cfg.fused_head_loss))
+        check(pdims, bool(train_cfg.fused_head_loss))
 
 
 def make_plan(cfg: DictConfig, *, strict: bool = True) -> Plan:

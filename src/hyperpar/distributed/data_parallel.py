@@ -43,9 +43,9 @@ def apply_ac_and_dp(
     if getattr(parallel_dims, "fsdp_vocab_parallel", False):
         from hyperpar.distributed import dp_vocab
 
-        dp_vocab.check(parallel_dims, dtype_of(mp.param_dtype), bool(train_cfg.fused_head_loss))
+        dp_vocab.check(parallel_dims, bool(train_cfg.fused_head_loss))
     if getattr(parallel_dims, "fsdp_vocab_parallel", False) and parallel_dims.dp_shard > 1:
-        vocab_sharded = dp_vocab.shard_vocab(model, parallel_dims.submesh("dp_shard"))
+        vocab_sharded = dp_vocab.shard_vocab(model, parallel_dims.submesh("dp_shard"), dtype_of(mp.param_dtype))
         log.info("parallel.fsdp_vocab_parallel: the embedding and head sharded by vocabulary over %d FSDP ranks "
                  "(%d parameter(s) left out of FSDP)", parallel_dims.dp_shard, len(vocab_sharded))
     experts = list(expert_parallel_modules(model)) if parallel_dims.ep > 1 else []

@@ -21,8 +21,8 @@ Per step and micro-batch that moves tokens x hidden values four times instead of
 It pays while the data-parallel ranks' tokens together are fewer than the vocabulary. The step's
 loss and gradients are the same sums as one process's, in another order (fp32 parity).
 
-Supported with FSDP alone, experts included; refused with tp, cp, pp, dp_replicate and 16-bit
-parameters (``check``). With one FSDP rank there is nothing to shard and the option changes nothing
+Supported with FSDP alone, experts included, in fp32 and 16-bit compute; refused with tp, cp, pp
+and dp_replicate (``check``). With one FSDP rank there is nothing to shard and the option changes nothing
 (a parity sweep's ``single`` job runs as ever).
 """
 
@@ -34,22 +34,21 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from hyperpar.errors import PlanError
+from hyperpar.models.layers import cpu_matmul
 
 IGNORE_INDEX = -100
 _gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-def check(parallel_dims, param_dtype: torch.dtype, fused_head_loss: bool = True) -> None:
+def check(parallel_dims, fused_head_loss: bool = True) -> None:
     """PlanError for a layout the vocabulary sharding does not cover."""
     bad = [f"{axis}={getattr(parallel_dims, axis)}" for axis in ("tp", "cp", "pp", "dp_replicate")
            if getattr(parallel_dims, axis) > 1]
-    if param_dtype != torch.float32:
-        bad.append(f"param_dtype={str(param_dtype).removeprefix('torch.')}")
     if not fused_head_loss:  # the head's matmul lives in the sharded loss kernel
         bad.append("train.fused_head_loss=false")
     if bad:
         raise PlanError(f"not supported: parallel.fsdp_vocab_parallel with {', '.join(bad)}",
-                        hint="it shards the embedding and head over plain FSDP ranks in fp32; set "
+                        hint="it shards the embedding and head over plain FSDP ranks; set "
                         "parallel.fsdp_vocab_parallel=false for this layout")
 
 
@@ -68,10 +67,12 @@ def is_vocab_sharded(module: nn.Module) -> bool:
     return getattr(module, "_hyperpar_dp_vocab", False) and isinstance(module.weight, DTensor)
 
 
-def shard_vocab(model: nn.Module, mesh) -> set[nn.Parameter]:
+def shard_vocab(model: nn.Module, mesh, compute_dtype: torch.dtype = torch.float32) -> set[nn.Parameter]:
     """Turn the text embedding and every ``LMHead``'s weight (one parameter when tied) into
     ``Shard(0)`` DTensors on ``mesh``, route the embeddings through ``VocabShardedEmbedding``, and
-    return the parameters FSDP must leave alone (``fully_shard(..., ignored_params=...)``)."""
+    return the parameters FSDP must leave alone (``fully_shard(..., ignored_params=...)``). The
+    weights stay in their dtype (fp32: FSDP's sharded parameters'); ``compute_dtype`` is what the
+    embeddings hand on (FSDP's ``param_dtype``: its 16-bit lookup is the rounded fp32 one)."""
     from hyperpar.models.layers.lm_head import LMHead
 
     vocab = {m.weight.shape[0] for m in model.modules() if isinstance(m, LMHead)}
@@ -93,6 +94,7 @@ def shard_vocab(model: nn.Module, mesh) -> set[nn.Parameter]:
             done[id(w)] = nn.Parameter(distribute_tensor(w.data, mesh, [Shard(0)], src_data_rank=None), w.requires_grad)
         module.weight = done[id(w)]
         module._hyperpar_dp_vocab = True
+        module._hyperpar_compute_dtype = compute_dtype
         if isinstance(module, nn.Embedding):
             module.__class__ = VocabShardedEmbedding
     return set(done.values())
@@ -108,6 +110,7 @@ class VocabShardedEmbedding(nn.Embedding):
         lo, hi = _vocab_range(self.weight)
         out = _ShardedLookup.apply(input_ids.reshape(-1), self.weight.to_local(), lo, hi,
                                    self.weight.device_mesh.get_group())
+        out = out.to(getattr(self, "_hyperpar_compute_dtype", out.dtype))
         return out.view(*input_ids.shape, out.shape[-1])
 
 
@@ -177,16 +180,19 @@ def _block_rows(vocab_local: int) -> int:
     return max(1, (1 << 22) // max(vocab_local, 1))
 
 
-def _row_stats_(p: torch.Tensor, local: torch.Tensor, blk: int) -> torch.Tensor:
+def _row_stats_(p: torch.Tensor, local: torch.Tensor, blk: int, round_to: torch.dtype | None = None) -> torch.Tensor:
     """(3, rows): each row's max over this rank's logits ``p``, the sum of exp(logit - that max), and
     the target's logit (garbage where another rank holds the target; masked by the caller). ``p`` is
-    overwritten by exp(logit - its row's max), one block of rows at a time, in cache."""
+    overwritten by exp(logit - its row's max), one block of rows at a time, in cache. ``round_to``:
+    the logits are first rounded to that 16-bit dtype's values (what a 16-bit head's logits hold)."""
     stats = p.new_empty((3, p.shape[0]))
     if p.shape[1] == 0:  # a rank with no vocabulary rows
         stats[0], stats[1], stats[2] = float("-inf"), 0.0, 0.0
         return stats
     for b in range(0, p.shape[0], blk):
         x = p[b:b + blk]
+        if round_to is not None:
+            x.copy_(x.to(round_to))
         m = x.amax(dim=1, keepdim=True)
         stats[0, b:b + blk] = m.squeeze(1)
         stats[2, b:b + blk] = x.gather(1, local[b:b + blk]).squeeze(1)
@@ -217,7 +223,13 @@ class _ShardedLinearCrossEntropySum(torch.autograd.Function):
         mine = valid & (labels_all >= lo) & (labels_all < hi)
         local = (labels_all - lo).masked_fill_(~mine, 0).unsqueeze(1)
         scale = hints.repeat_interleave(block) * valid.float()  # each row's gradient: its rank's hint
-        w = weight.float()
+        # 16-bit compute (train.mixed_precision.param_dtype): the weight's 16-bit values; the GEMMs in
+        # 16 bits, or in fp32 on the 16-bit values where the CPU's 16-bit matmuls run as fp32 GEMMs
+        # (cpu_matmul), with the logits and their gradient rounded where a 16-bit head rounds them
+        half = hidden.dtype if hidden.dtype != torch.float32 else None
+        native = half is not None and not cpu_matmul.upcast(hidden)
+        w = weight.to(half).float() if half and not native else weight.float()
+        w16 = weight.to(half) if native else None
         rows_all = h_all.shape[0]
         nll = torch.empty(rows_all, dtype=torch.float32, device=hidden.device)
         dh = torch.empty_like(h_all) if want_h else None
@@ -226,8 +238,10 @@ class _ShardedLinearCrossEntropySum(torch.autograd.Function):
         for a in range(0, rows_all, step):
             rows = slice(a, min(a + step, rows_all))
             h = h_all[rows]
-            p = h @ w.t()  # (rows, V_local)
-            stats = _row_stats_(p, local[rows], blk)  # p: exp(logit - this rank's row max)
+            h16 = h.to(half) if native else None
+            p = (h16 @ w16.t()).float() if native else h @ w.t()  # (rows, V_local)
+            # p: exp(logit - this rank's row max)
+            stats = _row_stats_(p, local[rows], blk, round_to=half if half and not native else None)
             stats[2].mul_(mine[rows])
             every = stats.new_empty((n * 3, stats.shape[1]))
             _gather(every, stats, group=group)
@@ -243,6 +257,17 @@ class _ShardedLinearCrossEntropySum(torch.autograd.Function):
                 x = p[b:b + blk]
                 x.mul_(coef[b:b + blk])
                 x.scatter_add_(1, local[rows][b:b + blk], -(g[b:b + blk] * mine[rows][b:b + blk]).unsqueeze(1))
+                if half and not native:  # the 16-bit gradient's values
+                    x.copy_(x.to(half))
+            if native:
+                p16 = p.to(half)
+                p = None
+                if want_h:
+                    dh[rows] = p16 @ w16
+                if want_w:
+                    part = (p16.t() @ h16).float()
+                    dw = part if dw is None else dw.add_(part)
+                continue
             if want_h:
                 torch.mm(p, w, out=dh[rows])
             if want_w and dw is None:
