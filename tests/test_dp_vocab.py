@@ -158,6 +158,9 @@ STEP = ["train.seq_len=64", "train.global_batch_size=4", "train.micro_batch_size
     # bf16 compute against the one-rank bf16 step: the embedding's and head's weight gradients are summed
     # in fp32 here (FSDP rounds each rank's to bf16 first), so within bf16 rounding
     ("qwen3_5", ["train.mixed_precision.param_dtype=bfloat16"], "fsdp2", 2, 2e-3),
+    # context parallel: FSDP's axis is dp_shard x cp, each rank a shard of the rows (the cut labels, the MTP stream)
+    ("qwen3_5_moe", ["model.mtp_loss_weight=0.3"], "cp2", 2, 1e-5),
+    pytest.param("qwen3_5_moe", [], "fsdp2_cp2_ep2", 4, 1e-5, marks=pytest.mark.full),
     pytest.param("qwen3_vl_moe", ["data=vl_dummy"], "fsdp2", 2, 1e-5, marks=pytest.mark.full),
 ])
 def test_gradients_equal_one_process(model, extra, layout, world, tol):
@@ -167,7 +170,6 @@ def test_gradients_equal_one_process(model, extra, layout, world, tol):
 @pytest.mark.parametrize(("layout", "extra", "what"), [
     ("fsdp_tp2", [], "tp=2"),
     ("hsdp2x2", [], "dp_replicate=2"),
-    ("fsdp2_cp2", [], "cp=2"),
     ("fsdp2_pp2", [], "pp=2"),
     ("fsdp2", ["train.fused_head_loss=false"], "train.fused_head_loss=false"),
 ])
@@ -185,7 +187,7 @@ def test_dry_run_says_the_vocabulary_is_sharded():
 
     on = make_plan(compose_cfg(["parallel=fsdp4", "parallel.fsdp_vocab_parallel=true"]))
     off = make_plan(compose_cfg(["parallel=fsdp4"]))
-    assert "sharded by vocabulary over dp_shard = 4" in on.render()
+    assert "sharded by vocabulary over dp_shard x cp = 4" in on.render()
     assert on.root_unit_params < off.root_unit_params / 10  # the root's gather leaves out embedding and head
 
 

@@ -66,8 +66,8 @@ class Plan:
             + (f"; {self.tp_split_params / 1e6:.3f} M split over tp = {p.tp}, "
                f"{(self.total_params - self.tp_split_params) / 1e6:.3f} M whole on every tp rank)" if p.tp > 1 else ")"),
             *([f"tensor par  {self.tp_setup}"] if p.tp > 1 else []),
-            *([f"vocabulary  embedding and head sharded by vocabulary over dp_shard = {p.dp_shard}, never gathered; "
-               "the ranks exchange tokens (parallel.fsdp_vocab_parallel)"] if p.fsdp_vocab_parallel and p.dp_shard > 1 else []),
+            *([f"vocabulary  embedding and head sharded by vocabulary over dp_shard x cp = {p.fsdp_size}, never gathered; "
+               "the ranks exchange tokens (parallel.fsdp_vocab_parallel)"] if p.fsdp_vocab_parallel and p.fsdp_size > 1 else []),
             *([f"pipeline    {self.pp_setup}"] if self.pp_setup else []),
             *([f"rows        {self.row_padding}"] if self.row_padding else []),
             *([f"collectives {self.collectives}"] if self.collectives else []),
@@ -271,7 +271,7 @@ def make_plan(cfg: DictConfig, *, strict: bool = True) -> Plan:
     shared = shares_embedding(builder.args)
     # The root stays gathered for the whole step (fsdp.apply_fsdp: reshard_after_forward=False).
     root = _root_unit_size(meta, split_names, pdims.tp, pdims.pp, shared,
-                           vocab_sharded=pdims.fsdp_vocab_parallel and pdims.dp_shard > 1)
+                           vocab_sharded=pdims.fsdp_vocab_parallel and pdims.fsdp_size > 1)
     unit = max(largest, root)
     reduce = reduce_dtype.itemsize
     from hyperpar.distributed.one_rank_cast import planned

@@ -21,8 +21,9 @@ Per step and micro-batch that moves tokens x hidden values four times instead of
 It pays while the data-parallel ranks' tokens together are fewer than the vocabulary. The step's
 loss and gradients are the same sums as one process's, in another order (fp32 parity).
 
-Supported with FSDP alone, experts included, in fp32 and 16-bit compute; refused with tp, cp, pp
-and dp_replicate (``check``). With one FSDP rank there is nothing to shard and the option changes nothing
+The weights are sharded over FSDP's own axis, ``dp_shard x cp`` (every rank of it holds different
+tokens). Supported with FSDP and context parallelism, experts included, in fp32 and 16-bit compute;
+refused with tp, pp and dp_replicate (``check``). With one FSDP rank there is nothing to shard and the option changes nothing
 (a parity sweep's ``single`` job runs as ever).
 """
 
@@ -42,7 +43,7 @@ _gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tenso
 
 def check(parallel_dims, fused_head_loss: bool = True) -> None:
     """PlanError for a layout the vocabulary sharding does not cover."""
-    bad = [f"{axis}={getattr(parallel_dims, axis)}" for axis in ("tp", "cp", "pp", "dp_replicate")
+    bad = [f"{axis}={getattr(parallel_dims, axis)}" for axis in ("tp", "pp", "dp_replicate")
            if getattr(parallel_dims, axis) > 1]
     if not fused_head_loss:  # the head's matmul lives in the sharded loss kernel
         bad.append("train.fused_head_loss=false")
@@ -85,7 +86,7 @@ def shard_vocab(model: nn.Module, mesh, compute_dtype: torch.dtype = torch.float
     n = mesh.size()
     for v in vocab:
         if -(-v // n) * (n - 1) >= v:  # torch.chunk's split leaves the last rank nothing
-            raise PlanError(f"parallel.fsdp_vocab_parallel: vocabulary {v} leaves a rank of dp_shard {n} no rows",
+            raise PlanError(f"parallel.fsdp_vocab_parallel: vocabulary {v} leaves a rank of the {n} FSDP ranks no rows",
                             hint="set parallel.fsdp_vocab_parallel=false")
     done: dict[int, nn.Parameter] = {}
     for module in targets:
@@ -130,12 +131,6 @@ def _rows_of_every_rank(x: torch.Tensor, group, pad: float | int) -> tuple[torch
     return out, counts, block
 
 
-def _valid_rows(counts: list[int], block: int, device) -> torch.Tensor | None:
-    if all(c == block for c in counts):
-        return None
-    return torch.cat([torch.arange(block, device=device) < c for c in counts])
-
-
 def _scatter_own_rows(x: torch.Tensor, group, count: int) -> torch.Tensor:
     """Reduce-scatter (ranks x block, ...) partial sums: this rank's block summed over the ranks,
     cut to its ``count`` rows."""
@@ -148,14 +143,13 @@ def _scatter_own_rows(x: torch.Tensor, group, count: int) -> torch.Tensor:
 class _ShardedLookup(torch.autograd.Function):
     @staticmethod
     def forward(ctx, ids: torch.Tensor, weight: torch.Tensor, lo: int, hi: int, group) -> torch.Tensor:  # type: ignore[override]
-        every, counts, block = _rows_of_every_rank(ids, group, pad=-1)
+        every, _, block = _rows_of_every_rank(ids, group, pad=-1)
         mine = (every >= lo) & (every < hi)
         local = (every - lo).masked_fill_(~mine, 0)
         vectors = nn.functional.embedding(local, weight)
         vectors.masked_fill_(~mine.unsqueeze(1), 0.0)
         ctx.save_for_backward(local, mine)
-        ctx.group, ctx.rows, ctx.count = group, weight.shape[0], ids.shape[0]
-        ctx.block = block
+        ctx.group, ctx.rows, ctx.block = group, weight.shape[0], block
         return _scatter_own_rows(vectors, group, ids.shape[0])
 
     @staticmethod
@@ -215,7 +209,7 @@ class _ShardedLinearCrossEntropySum(torch.autograd.Function):
         n = dist.get_world_size(group)
         T = hidden.shape[0]
         want_h, want_w = (bool(ctx.needs_input_grad[i]) and grads for i in (0, 1))
-        h_all, counts, block = _rows_of_every_rank(hidden.float(), group, pad=0.0)
+        h_all, _, block = _rows_of_every_rank(hidden.float(), group, pad=0.0)
         labels_all, _, _ = _rows_of_every_rank(labels, group, pad=IGNORE_INDEX)
         hints = torch.empty(n, dtype=torch.float32, device=hidden.device)
         _gather(hints, grad_hint.float().reshape(1), group=group)
