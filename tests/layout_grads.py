@@ -43,6 +43,7 @@ def one_step(overrides: list[str]) -> dict:
     from hyperpar.data.pad import pad_token_id
     from hyperpar.data.registry import DataContext
     from hyperpar.distributed.context_parallel import SequenceShard
+    from hyperpar.distributed.dp_vocab import reduce_replicas
     from hyperpar.distributed.materialize import materialize
     from hyperpar.distributed.tensor_parallel import use_loss_parallel
     from hyperpar.models.param_names import canonical_name
@@ -93,6 +94,7 @@ def one_step(overrides: list[str]) -> dict:
             obj, parts = objective(out, targets[i], totals)
             obj.backward()
         loss_sum += parts.lm_sum
+    reduce_replicas([model])  # as the trainer: HSDP's vocabulary-sharded weights (parallel.fsdp_vocab_parallel)
     norm = clip_grad_norm(list(model.parameters()), 0.0)
     grads = {}
     for name, p in model.named_parameters():

@@ -155,6 +155,8 @@ STEP = ["train.seq_len=64", "train.global_batch_size=4", "train.micro_batch_size
     ("qwen3_5_moe", ["model.mtp_loss_weight=0.3"], "fsdp2", 2, 1e-5),
     # tied (one parameter, both gradients), over 4 ranks: one micro-batch each
     ("qwen3_5", ["+model.overrides.tie_word_embeddings=true"], "fsdp4", 4, 1e-5),
+    # HSDP: sharded over dp_shard, the gradients summed over the 2 replicas (reduce_replicas)
+    ("qwen3_5_moe", ["model.mtp_loss_weight=0.3"], "hsdp2x2", 4, 1e-5),
     # bf16 compute against the one-rank bf16 step: the embedding's and head's weight gradients are summed
     # in fp32 here (FSDP rounds each rank's to bf16 first), so within bf16 rounding
     ("qwen3_5", ["train.mixed_precision.param_dtype=bfloat16"], "fsdp2", 2, 2e-3),
@@ -169,7 +171,6 @@ def test_gradients_equal_one_process(model, extra, layout, world, tol):
 
 @pytest.mark.parametrize(("layout", "extra", "what"), [
     ("fsdp_tp2", [], "tp=2"),
-    ("hsdp2x2", [], "dp_replicate=2"),
     ("fsdp2_pp2", [], "pp=2"),
     ("fsdp2", ["train.fused_head_loss=false"], "train.fused_head_loss=false"),
 ])

@@ -85,7 +85,7 @@ class ParallelConfig:
     # false: FSDP units stay gathered from forward to backward (no second all-gather; every unit held)
     fsdp_reshard_after_forward: bool = True
     # true: the embedding and head sharded by vocabulary over the FSDP ranks, which exchange tokens
-    # instead of gathering those weights (FSDP and CP; distributed/dp_vocab.py)
+    # instead of gathering those weights (FSDP/HSDP and CP; distributed/dp_vocab.py)
     fsdp_vocab_parallel: bool = False
 
 

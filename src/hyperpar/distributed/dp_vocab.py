@@ -22,8 +22,10 @@ It pays while the data-parallel ranks' tokens together are fewer than the vocabu
 loss and gradients are the same sums as one process's, in another order (fp32 parity).
 
 The weights are sharded over FSDP's own axis, ``dp_shard x cp`` (every rank of it holds different
-tokens). Supported with FSDP and context parallelism, experts included, in fp32 and 16-bit compute;
-refused with tp, pp and dp_replicate (``check``). With one FSDP rank there is nothing to shard and the option changes nothing
+tokens), and under HSDP replicated over ``dp_replicate`` like FSDP's own parameters, their gradients
+summed over the replicas once a step (``reduce_replicas``, called by the trainer). Supported with
+FSDP, HSDP and context parallelism, experts included, in fp32 and 16-bit compute; refused with tp
+and pp (``check``). With one FSDP rank there is nothing to shard and the option changes nothing
 (a parity sweep's ``single`` job runs as ever).
 """
 
@@ -32,7 +34,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from hyperpar.errors import PlanError
 from hyperpar.models.layers import cpu_matmul
@@ -43,8 +45,7 @@ _gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tenso
 
 def check(parallel_dims, fused_head_loss: bool = True) -> None:
     """PlanError for a layout the vocabulary sharding does not cover."""
-    bad = [f"{axis}={getattr(parallel_dims, axis)}" for axis in ("tp", "pp", "dp_replicate")
-           if getattr(parallel_dims, axis) > 1]
+    bad = [f"{axis}={getattr(parallel_dims, axis)}" for axis in ("tp", "pp") if getattr(parallel_dims, axis) > 1]
     if not fused_head_loss:  # the head's matmul lives in the sharded loss kernel
         bad.append("train.fused_head_loss=false")
     if bad:
@@ -53,10 +54,16 @@ def check(parallel_dims, fused_head_loss: bool = True) -> None:
                         "parallel.fsdp_vocab_parallel=false for this layout")
 
 
+def _group(weight: DTensor):
+    """The process group of the weight's shard axis (the mesh's last dim; the first replicates)."""
+    mesh = weight.device_mesh
+    return mesh.get_group(mesh.ndim - 1)
+
+
 def _vocab_range(weight: DTensor) -> tuple[int, int]:
     """This rank's rows [lo, hi) of a Shard(0) weight, by torch.chunk's split (DTensor's own)."""
     mesh = weight.device_mesh
-    n, rank = mesh.size(), mesh.get_local_rank()
+    n, rank = mesh.size(mesh.ndim - 1), mesh.get_local_rank(mesh.ndim - 1)
     per = -(-weight.shape[0] // n)
     lo = min(per * rank, weight.shape[0])
     return lo, lo + weight.to_local().shape[0]
@@ -69,8 +76,10 @@ def is_vocab_sharded(module: nn.Module) -> bool:
 
 
 def shard_vocab(model: nn.Module, mesh, compute_dtype: torch.dtype = torch.float32) -> set[nn.Parameter]:
-    """Turn the text embedding and every ``LMHead``'s weight (one parameter when tied) into
-    ``Shard(0)`` DTensors on ``mesh``, route the embeddings through ``VocabShardedEmbedding``, and
+    """Turn the text embedding and every ``LMHead``'s weight (one parameter when tied) into DTensors
+    on FSDP's 2-D ``mesh`` (replicate, shard), placed as FSDP places its own parameters: replicated
+    over the first dim, ``Shard(0)`` over the second; route the embeddings through
+    ``VocabShardedEmbedding``, record the weights for ``reduce_replicas``, and
     return the parameters FSDP must leave alone (``fully_shard(..., ignored_params=...)``). The
     weights stay in their dtype (fp32: FSDP's sharded parameters'); ``compute_dtype`` is what the
     embeddings hand on (FSDP's ``param_dtype``: its 16-bit lookup is the rounded fp32 one)."""
@@ -83,7 +92,7 @@ def shard_vocab(model: nn.Module, mesh, compute_dtype: torch.dtype = torch.float
                 if name.rsplit(".", 1)[-1] == "embed_tokens" and type(m) is nn.Embedding and m.num_embeddings in vocab]
     if not targets:
         raise PlanError("parallel.fsdp_vocab_parallel: the model has no LM head to shard")
-    n = mesh.size()
+    n = mesh.size(mesh.ndim - 1)
     for v in vocab:
         if -(-v // n) * (n - 1) >= v:  # torch.chunk's split leaves the last rank nothing
             raise PlanError(f"parallel.fsdp_vocab_parallel: vocabulary {v} leaves a rank of the {n} FSDP ranks no rows",
@@ -92,13 +101,29 @@ def shard_vocab(model: nn.Module, mesh, compute_dtype: torch.dtype = torch.float
     for module in targets:
         w = module.weight
         if id(w) not in done:
-            done[id(w)] = nn.Parameter(distribute_tensor(w.data, mesh, [Shard(0)], src_data_rank=None), w.requires_grad)
+            placements = [Replicate()] * (mesh.ndim - 1) + [Shard(0)]
+            done[id(w)] = nn.Parameter(distribute_tensor(w.data, mesh, placements, src_data_rank=None), w.requires_grad)
         module.weight = done[id(w)]
         module._hyperpar_dp_vocab = True
         module._hyperpar_compute_dtype = compute_dtype
         if isinstance(module, nn.Embedding):
             module.__class__ = VocabShardedEmbedding
+    model._hyperpar_dp_vocab_modules = targets
     return set(done.values())
+
+
+def reduce_replicas(parts) -> None:
+    """Sum the vocabulary-sharded weights' gradients over FSDP's replicate dim (HSDP): each replica's
+    ranks saw only their tokens. Once per optimizer step, after the last micro-batch's backward, on
+    every rank (as FSDP reduces its own units then); nothing without replicas."""
+    seen: set[int] = set()
+    for part in parts:
+        for module in getattr(part, "_hyperpar_dp_vocab_modules", ()):
+            w = module.weight
+            if id(w) in seen or w.grad is None or w.device_mesh.ndim < 2 or w.device_mesh.size(0) == 1:
+                continue
+            seen.add(id(w))
+            dist.all_reduce(w.grad.to_local(), group=w.device_mesh.get_group(0))
 
 
 class VocabShardedEmbedding(nn.Embedding):
@@ -109,8 +134,7 @@ class VocabShardedEmbedding(nn.Embedding):
         if not is_vocab_sharded(self):
             return super().forward(input_ids)
         lo, hi = _vocab_range(self.weight)
-        out = _ShardedLookup.apply(input_ids.reshape(-1), self.weight.to_local(), lo, hi,
-                                   self.weight.device_mesh.get_group())
+        out = _ShardedLookup.apply(input_ids.reshape(-1), self.weight.to_local(), lo, hi, _group(self.weight))
         out = out.to(getattr(self, "_hyperpar_compute_dtype", out.dtype))
         return out.view(*input_ids.shape, out.shape[-1])
 
@@ -300,4 +324,4 @@ def sharded_linear_cross_entropy_sum(hidden: torch.Tensor, weight: DTensor, labe
     (T, H) ``hidden`` and (T,) ``labels``; a collective over the weight's mesh."""
     lo, hi = _vocab_range(weight)
     return _ShardedLinearCrossEntropySum.apply(hidden, weight.to_local(), labels, grad_hint, torch.is_grad_enabled(),
-                                               lo, hi, weight.device_mesh.get_group())
+                                               lo, hi, _group(weight))

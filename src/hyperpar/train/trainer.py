@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hyperpar.distributed.dp_vocab import reduce_replicas
 from hyperpar.distributed.one_rank_cast import settle
 from hyperpar.distributed.pipeline_vl import is_vl
 from hyperpar.distributed.vision_sync import has_vision, idle_tower_forwards
@@ -127,6 +128,7 @@ class Trainer:
         with phase("forward_backward"), record_routes() if self.routes else contextlib.nullcontext() as routes:
             loss_sum, aux_sum, mtp_sum, saw_aux, saw_mtp = self._forward_backward(micro_batches, labels, totals)
         settle(self.model_parts)  # one-rank casts: fp32 parameters and gradients (each backward's end restored them)
+        reduce_replicas(self.model_parts)  # HSDP: the vocabulary-sharded weights' gradients, over the replicas
         with phase("clip_grad"):
             if self.pipeline is not None:
                 grad_norm = self.pipeline.clip_grad_norm(self.max_grad_norm)
