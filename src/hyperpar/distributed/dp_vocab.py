@@ -11,13 +11,15 @@ placement FSDP's own shards have) and the ranks exchange tokens instead of weigh
   (one rank contributes each value, the others exact zeros). Backward all-gathers the vectors'
   gradients and each rank adds them into its own rows.
 - head + loss: the final hidden states and labels are all-gathered; each rank forms the logits of
-  every rank's tokens over its rows, chunk by chunk, with the softmax's max and sum (and the target
-  logit) all-reduced per chunk, turns them into their gradient in place, and accumulates its rows'
-  weight gradient (whole: every token of the step has been seen) and the hidden states' partial
-  gradient, which a reduce-scatter sums over the vocabulary shards into each rank's own rows.
+  every rank's tokens over its rows, chunk by chunk, exchanges each row's max, sum of exps and
+  target logit (one all-gather per chunk) for the log-sum-exp, turns the logits into their gradient
+  in place, and accumulates its rows' weight gradient (whole: every token of the step has been
+  seen) and the hidden states' partial gradient, which a reduce-scatter sums over the vocabulary
+  shards into each rank's own rows.
 
 Per step and micro-batch that moves tokens x hidden values four times instead of the two weights
-(gathered, and their gradients reduce-scattered); the weights' gradients need no reduction at all.
+(gathered, and their gradients reduce-scattered); the weights' gradients need no reduction over
+the shard axis (under HSDP, one all-reduce over the replicas).
 It pays while the data-parallel ranks' tokens together are fewer than the vocabulary. The step's
 loss and gradients are the same sums as one process's, in another order (fp32 parity).
 
@@ -38,8 +40,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 
 from hyperpar.errors import PlanError
 from hyperpar.models.layers import cpu_matmul
+from hyperpar.train.cross_entropy import IGNORE_INDEX
 
-IGNORE_INDEX = -100
 _gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
