@@ -40,16 +40,16 @@ def apply_ac_and_dp(
                  "the chunked delta rule a graph of its own)", n)
     mp = train_cfg.mixed_precision
     vocab_sharded: set = set()
-    if getattr(parallel_dims, "fsdp_vocab_parallel", False):
+    if parallel_dims.fsdp_vocab_parallel:
         from hyperpar.distributed import dp_vocab
 
         dp_vocab.check(parallel_dims, bool(train_cfg.fused_head_loss))
-    if getattr(parallel_dims, "fsdp_vocab_parallel", False) and parallel_dims.fsdp_size > 1:
-        # FSDP's own mesh: sharded over the data- and context-parallel ranks (each holding different
-        # tokens), replicated over dp_replicate
-        vocab_sharded = dp_vocab.shard_vocab(model, parallel_dims.fsdp_mesh(), dtype_of(mp.param_dtype))
-        log.info("parallel.fsdp_vocab_parallel: the embedding and head sharded by vocabulary over %d FSDP ranks "
-                 "(%d parameter(s) left out of FSDP)", parallel_dims.fsdp_size, len(vocab_sharded))
+        if parallel_dims.fsdp_size > 1:
+            # FSDP's own mesh: sharded over the data- and context-parallel ranks (each holding
+            # different tokens), replicated over dp_replicate
+            vocab_sharded = dp_vocab.shard_vocab(model, parallel_dims.fsdp_mesh(), dtype_of(mp.param_dtype))
+            log.info("parallel.fsdp_vocab_parallel: the embedding and head sharded by vocabulary over %d FSDP "
+                     "ranks (%d parameter(s) left out of FSDP)", parallel_dims.fsdp_size, len(vocab_sharded))
     experts = list(expert_parallel_modules(model)) if parallel_dims.ep > 1 else []
     apply_fsdp(
         model,

@@ -40,7 +40,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 
 from hyperpar.errors import PlanError
 from hyperpar.models.layers import cpu_matmul
-from hyperpar.train.cross_entropy import IGNORE_INDEX
+from hyperpar.models.layers.lm_head import LMHead
+from hyperpar.train.cross_entropy import IGNORE_INDEX, _head_rows, _hint_tensor, _row_chunk
 
 _gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -71,12 +72,6 @@ def _vocab_range(weight: DTensor) -> tuple[int, int]:
     return lo, lo + weight.to_local().shape[0]
 
 
-def is_vocab_sharded(module: nn.Module) -> bool:
-    """``module``'s weight is sharded by ``shard_vocab`` (the mark is the module's: materialising
-    replaces the parameter objects)."""
-    return getattr(module, "_hyperpar_dp_vocab", False) and isinstance(module.weight, DTensor)
-
-
 def shard_vocab(model: nn.Module, mesh, compute_dtype: torch.dtype = torch.float32) -> set[nn.Parameter]:
     """Turn the text embedding and every ``LMHead``'s weight (one parameter when tied) into DTensors
     on FSDP's 2-D ``mesh`` (replicate, shard), placed as FSDP places its own parameters: replicated
@@ -85,8 +80,6 @@ def shard_vocab(model: nn.Module, mesh, compute_dtype: torch.dtype = torch.float
     return the parameters FSDP must leave alone (``fully_shard(..., ignored_params=...)``). The
     weights stay in their dtype (fp32: FSDP's sharded parameters'); ``compute_dtype`` is what the
     embeddings hand on (FSDP's ``param_dtype``: its 16-bit lookup is the rounded fp32 one)."""
-    from hyperpar.models.layers.lm_head import LMHead
-
     vocab = {m.weight.shape[0] for m in model.modules() if isinstance(m, LMHead)}
     targets: list[nn.Module] = [m for m in model.modules() if isinstance(m, LMHead)]
     # the text model's token embedding (a vision tower's position table is an nn.Embedding too)
@@ -106,7 +99,7 @@ def shard_vocab(model: nn.Module, mesh, compute_dtype: torch.dtype = torch.float
             placements = [Replicate()] * (mesh.ndim - 1) + [Shard(0)]
             done[id(w)] = nn.Parameter(distribute_tensor(w.data, mesh, placements, src_data_rank=None), w.requires_grad)
         module.weight = done[id(w)]
-        module._hyperpar_dp_vocab = True
+        module._hyperpar_dp_vocab = True  # the module's mark (lm_head.vocab_sharded): materialising replaces the parameter
         module._hyperpar_compute_dtype = compute_dtype
         if isinstance(module, nn.Embedding):
             module.__class__ = VocabShardedEmbedding
@@ -130,11 +123,10 @@ def reduce_replicas(parts) -> None:
 
 class VocabShardedEmbedding(nn.Embedding):
     """``nn.Embedding`` (same parameter and keys) whose weight is vocabulary-sharded over the
-    data-parallel ranks: every rank must call it, with its own ids, once per call site."""
+    data-parallel ranks (only ``shard_vocab`` makes one): every rank must call it, with its own ids,
+    once per call site."""
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        if not is_vocab_sharded(self):
-            return super().forward(input_ids)
         lo, hi = _vocab_range(self.weight)
         out = _ShardedLookup.apply(input_ids.reshape(-1), self.weight.to_local(), lo, hi, _group(self.weight))
         out = out.to(getattr(self, "_hyperpar_compute_dtype", out.dtype))
@@ -190,25 +182,12 @@ class _ShardedLookup(torch.autograd.Function):
         return None, dw, None, None, None
 
 
-def _head_rows(vocab_local: int) -> int:
-    # ~256 MB of fp32 logits per chunk, as the one-rank fused head (train/cross_entropy.py)
-    return max(256, (1 << 26) // max(vocab_local, 1))
-
-
-def _block_rows(vocab_local: int) -> int:
-    # the element-wise passes work through ~16 MB of a chunk at a time, in cache (train/cross_entropy.py)
-    return max(1, (1 << 22) // max(vocab_local, 1))
-
-
 def _row_stats_(p: torch.Tensor, local: torch.Tensor, blk: int, round_to: torch.dtype | None = None) -> torch.Tensor:
     """(3, rows): each row's max over this rank's logits ``p``, the sum of exp(logit - that max), and
     the target's logit (garbage where another rank holds the target; masked by the caller). ``p`` is
     overwritten by exp(logit - its row's max), one block of rows at a time, in cache. ``round_to``:
     the logits are first rounded to that 16-bit dtype's values (what a 16-bit head's logits hold)."""
-    stats = p.new_empty((3, p.shape[0]))
-    if p.shape[1] == 0:  # a rank with no vocabulary rows
-        stats[0], stats[1], stats[2] = float("-inf"), 0.0, 0.0
-        return stats
+    stats = p.new_empty((3, p.shape[0]))  # (shard_vocab refuses a rank with no rows)
     for b in range(0, p.shape[0], blk):
         x = p[b:b + blk]
         if round_to is not None:
@@ -254,7 +233,8 @@ class _ShardedLinearCrossEntropySum(torch.autograd.Function):
         nll = torch.empty(rows_all, dtype=torch.float32, device=hidden.device)
         dh = torch.empty_like(h_all) if want_h else None
         dw = None
-        step, blk = _head_rows(w.shape[0]), _block_rows(w.shape[0])
+        # the one-rank fused head's chunk and block sizes, for this rank's rows
+        step, blk = _head_rows(w.shape[0], hidden.device), _row_chunk(w.shape[0], hidden.device)
         for a in range(0, rows_all, step):
             rows = slice(a, min(a + step, rows_all))
             h = h_all[rows]
@@ -321,9 +301,10 @@ class _ShardedLinearCrossEntropySum(torch.autograd.Function):
 
 
 def sharded_linear_cross_entropy_sum(hidden: torch.Tensor, weight: DTensor, labels: torch.Tensor,
-                                     grad_hint: torch.Tensor) -> torch.Tensor:
+                                     grad_hint: torch.Tensor | float = 1.0) -> torch.Tensor:
     """``linear_cross_entropy_sum`` for a vocabulary-sharded head weight (``shard_vocab``): this rank's
     (T, H) ``hidden`` and (T,) ``labels``; a collective over the weight's mesh."""
     lo, hi = _vocab_range(weight)
-    return _ShardedLinearCrossEntropySum.apply(hidden, weight.to_local(), labels, grad_hint, torch.is_grad_enabled(),
+    hint = _hint_tensor(grad_hint, hidden.device, "sharded_linear_cross_entropy_sum")
+    return _ShardedLinearCrossEntropySum.apply(hidden, weight.to_local(), labels, hint, torch.is_grad_enabled(),
                                                lo, hi, _group(weight))

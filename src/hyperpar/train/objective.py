@@ -57,8 +57,8 @@ def token_loss_sum(logits: torch.Tensor | HeadInput, labels: torch.Tensor,
     if isinstance(logits, HeadInput) and isinstance(logits.weight, DTensor):  # parallel.fsdp_vocab_parallel
         from hyperpar.distributed.dp_vocab import sharded_linear_cross_entropy_sum
 
-        hint = grad_hint if grad_hint is not None else torch.ones((), dtype=torch.float32, device=labels.device)
-        return sharded_linear_cross_entropy_sum(logits.hidden.flatten(0, -2), logits.weight, labels.flatten(), hint)
+        return sharded_linear_cross_entropy_sum(logits.hidden.flatten(0, -2), logits.weight, labels.flatten(),
+                                                grad_hint if grad_hint is not None else 1.0)
     if isinstance(logits, HeadInput):
         return linear_cross_entropy_sum(logits.hidden.flatten(0, -2), logits.weight, labels.flatten(),
                                         grad_hint if grad_hint is not None else 1.0, compiled=compiled)

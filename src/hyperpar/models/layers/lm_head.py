@@ -41,6 +41,12 @@ class HeadInput:
         return x.dtype == torch.float32 or upcast(x)
 
 
+def vocab_sharded(module: nn.Module) -> bool:
+    """``module``'s weight is sharded by vocabulary over the data-parallel ranks
+    (``distributed.dp_vocab.shard_vocab`` marks the module: materialising replaces the parameter)."""
+    return getattr(module, "_hyperpar_dp_vocab", False) and isinstance(module.weight, DTensor)
+
+
 class LMHead(Linear):
     """``Linear`` (same parameter, same keys, same TP plan) that defers its matmul to the objective
     when ``fused_loss`` is set and the input qualifies (see the module docstring)."""
@@ -48,7 +54,7 @@ class LMHead(Linear):
     fused_loss = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | HeadInput:  # type: ignore[override]
-        if getattr(self, "_hyperpar_dp_vocab", False) and isinstance(self.weight, DTensor):
+        if vocab_sharded(self):
             # vocabulary rows spread over the data-parallel ranks (parallel.fsdp_vocab_parallel): the
             # objective's sharded kernel, or (outside it) logits from the gathered weight
             if self.fused_loss:
