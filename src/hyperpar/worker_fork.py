@@ -16,7 +16,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 
-PRELOAD = "hyperpar.worker_imports"
+PRELOAD = "hyperpar.fork_server_preload"
 _server: tuple[int, dict[str, str]] | None = None  # (server pid, the environment it started with)
 
 
