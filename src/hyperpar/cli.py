@@ -85,12 +85,12 @@ def main(cfg: DictConfig) -> float | None:
 def _start_fork_server(cfg: DictConfig) -> None:
     """Start the workers' fork server before this process imports torch: the two imports (~3-4 s
     each on 2 cores) then overlap instead of running one after the other. A config the checks
-    refuse starts nothing here; ``_task`` reports it."""
+    refuse starts nothing here: ``_task`` runs the same checks and reports what they raise."""
     from hyperpar.launch import start_workers_early
 
     try:
         start_workers_early(name_layout(check_values(validate_schema(cfg), warn=False)))
-    except HyperparError:
+    except Exception:  # noqa: BLE001  (only a head start; _task reports the error)
         pass
 
 
