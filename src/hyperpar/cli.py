@@ -84,8 +84,8 @@ def main(cfg: DictConfig) -> float | None:
 
 def _start_fork_server(cfg: DictConfig) -> None:
     """Start the workers' fork server before this process imports torch: the two imports (~3-4 s
-    each on 2 cores) then overlap instead of running one after the other. A config the checks
-    refuse starts nothing here: ``_task`` runs the same checks and reports what they raise."""
+    each on 2 cores) then overlap instead of running one after the other. The only start: a config
+    the checks refuse starts nothing, and ``_task`` runs the same checks and reports what they raise."""
     from hyperpar.launch import start_workers_early
 
     try:
@@ -96,7 +96,7 @@ def _start_fork_server(cfg: DictConfig) -> None:
 
 def _task(cfg: DictConfig) -> float | None:
     from hyperpar import run_status
-    from hyperpar.launch import job_started, run_job, start_workers_early, under_torchrun, write_result
+    from hyperpar.launch import job_started, run_job, under_torchrun, write_result
     from hyperpar.parity.callback import check_attached
     from hyperpar.plan import make_plan
 
@@ -115,7 +115,6 @@ def _task(cfg: DictConfig) -> float | None:
     try:
         cfg = name_layout(check_values(validate_schema(cfg), warn=False))  # the driver's preflight warned already
         with_dir = OmegaConf.merge(cfg, {"run_dir": run_dir})
-        start_workers_early(cfg)
         plan = make_plan(with_dir, strict=not cfg.dry_run)
         if cfg.dry_run:
             if rank0:
