@@ -314,30 +314,6 @@ def exit_spawned_rank() -> NoReturn:
     os._exit(0)
 
 
-def spawn_ranks(fn, args: tuple, nprocs: int) -> None:
-    """``torch.multiprocessing.spawn(fn, args, nprocs, join=True)``, on forks of the fork server the
-    CLI's workers come from (``worker_fork``), which imported torch and hyperpar once for the whole
-    test session: a spawned rank imported them again, ~4 s of one of CI's two cores per rank. Each
-    rank first takes this process's environment and working directory as they are now (a test's
-    ``monkeypatch.setenv`` included; the server keeps those of its start), as the CLI's forked
-    workers take the driver's."""
-    import torch.multiprocessing as mp
-
-    from hyperpar import worker_fork
-
-    server_env = worker_fork.start()
-    mp.start_processes(_as_spawned, args=(fn, dict(os.environ), server_env, os.getcwd(), args), nprocs=nprocs,
-                       join=True, start_method="forkserver")
-
-
-def _as_spawned(rank: int, fn, env: dict, server_env: dict, cwd: str, args: tuple) -> None:
-    from hyperpar import worker_fork
-
-    worker_fork.adopt_driver_env(env, server_env)
-    os.chdir(cwd)
-    fn(rank, *args)
-
-
 def free_port() -> int:
     """A local TCP port that was free a moment ago (for a spawned test job's rendezvous)."""
     import socket

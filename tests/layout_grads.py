@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from helpers import close_group, exit_spawned_rank, free_port, spawn_ranks
+from helpers import close_group, exit_spawned_rank, free_port
 
 
 def _worker(rank: int, world: int, port: int, overrides: list[str], out: str) -> None:
@@ -107,8 +107,10 @@ def one_step(overrides: list[str]) -> dict:
 
 def layout_grads(overrides: list[str], world: int) -> dict:
     """``one_step`` in ``world`` fresh processes (rank 0's view; gradients are full on every rank)."""
+    import torch.multiprocessing as mp
+
     out = Path(tempfile.mkdtemp()) / "grads.pt"
-    spawn_ranks(_worker, (world, free_port(), list(overrides), str(out)), world)
+    mp.spawn(_worker, args=(world, free_port(), list(overrides), str(out)), nprocs=world, join=True)
     return torch.load(out)
 
 

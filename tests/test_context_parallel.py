@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import cli_metrics_shared, close_group, exit_spawned_rank, free_port, spawn_ranks, strict_steps
+from helpers import cli_metrics_shared, close_group, exit_spawned_rank, free_port, strict_steps
 from layout_grads import assert_layout_matches_single
 
 CP = 2
@@ -114,7 +114,9 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
 
 
 def test_ulysses_kernels_under_cp2_equal_full_sequence(tmp_path):
-    spawn_ranks(_worker, (CP, free_port(), str(tmp_path)), CP)
+    import torch.multiprocessing as mp
+
+    mp.spawn(_worker, args=(CP, free_port(), str(tmp_path)), nprocs=CP, join=True)
     for r in range(CP):
         reports = json.loads((tmp_path / f"rank{r}.json").read_text())
         assert len(reports) == 10

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from fixtures import CKPT
-from helpers import cli_small, close_group, compose_cfg, exit_spawned_rank, free_port, read_losses, run_cli, spawn_ranks
+from helpers import cli_small, close_group, compose_cfg, exit_spawned_rank, free_port, read_losses, run_cli
 from layout_grads import assert_layout_matches_single
 
 WORLD = 3
@@ -132,7 +132,9 @@ def test_sharded_head_and_lookup_equal_one_process(tmp_path):
     rank's hidden-state gradient and the whole weight gradient equal the one-process fused head's;
     the lookup and its gradient equal ``F.embedding``'s. bf16 hidden states (GEMMs in fp32 on the bf16
     values, or in bf16): within bf16 rounding of fp64 on the same values, the weight's gradient fp32."""
-    spawn_ranks(_kernel_worker, (WORLD, free_port(), str(tmp_path)), WORLD)
+    import torch.multiprocessing as mp
+
+    mp.spawn(_kernel_worker, args=(WORLD, free_port(), str(tmp_path)), nprocs=WORLD, join=True)
     for r in range(WORLD):
         rep = json.loads((tmp_path / f"rank{r}.json").read_text())
         assert rep.pop("lookup_shape_ok") == 1.0 and rep.pop("ratio_refused") == 1.0, rep

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import cli_metrics_shared, cli_small, close_group, exit_spawned_rank, free_port, spawn_ranks, strict_steps
+from helpers import cli_metrics_shared, cli_small, close_group, exit_spawned_rank, free_port, strict_steps
 
 TOL = 1e-5
 CKPT3 = ["checkpoint=default", "checkpoint.save_steps=3", "checkpoint.keep_last=0"]
@@ -166,7 +166,9 @@ def _block_worker(rank: int, world: int, port: int, out_dir: str) -> None:
 def test_moe_block_under_ep2_equals_one_process(tmp_path):
     """Skewed routing (one expert takes most rows, others few or none), unequal token counts per
     rank: forward and every gradient equal one process; each rank holds E / ep experts."""
-    spawn_ranks(_block_worker, (2, free_port(), str(tmp_path)), 2)
+    import torch.multiprocessing as mp
+
+    mp.spawn(_block_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
     for r in range(2):
         rep = json.loads((tmp_path / f"rank{r}.json").read_text())
         assert rep["local_experts"] == 2

@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import nn
 
-from helpers import close_group, exit_spawned_rank, free_port, spawn_ranks
+from helpers import close_group, exit_spawned_rank, free_port
 
 
 def _init(rank: int, world: int, port: int) -> None:
@@ -45,7 +45,9 @@ def _job(rank: int, world: int, port: int, out_dir: str, body) -> None:
 
 
 def _spawn(body, world: int, out_dir: Path) -> list[dict]:
-    spawn_ranks(_job, (world, free_port(), str(out_dir), body), world)
+    import torch.multiprocessing as mp
+
+    mp.spawn(_job, args=(world, free_port(), str(out_dir), body), nprocs=world, join=True)
     return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(world)]
 
 
