@@ -17,7 +17,7 @@ CASES = [
     (["parallel=fsdp4", "train.global_batch_size=6"], "train.global_batch_size 6 not divisible"),
     (["parallel=tp2", "parallel.tp=3", "parallel.world_size=3"], "attention heads 4 not divisible by tp 3"),
     (["parallel=tp2", "+model.overrides.num_key_value_heads=1", "parallel.replicate_kv_heads=false"],
-     "key/value heads 1 < tp 2 and parallel.replicate_kv_heads=false"),
+     "key/value heads 1 not divisible by tp 2 and parallel.replicate_kv_heads=false"),
     (["parallel=ep2_pp2", "model=qwen3_5_moe", "train.activation_checkpoint=selective"],
      "pp with ep and train.activation_checkpoint=selective not supported"),
     (["parallel.world_size=2", "parallel.dp_shard=2", "parallel.ep=2"], "parallel.ep=2 but the model has no experts"),

@@ -67,9 +67,33 @@ def test_sizes_not_divisible_by_tp(model: str, layout: str, world: int, extra: l
     _compare(model, layout, world, ["+model.overrides.vocab_size=2047", *extra])
 
 
-def test_kv_heads_fewer_than_tp_are_replicated() -> None:
-    """1 KV head under tp 2: both ranks compute it, each keeps it for its query heads; gradients summed."""
-    _compare("qwen3_5", "tp2", 2, ["+model.overrides.num_key_value_heads=1"])
+@pytest.mark.parametrize(("model", "layout", "world", "extra"), [
+    # 1 KV head: both ranks compute it and keep it for their query heads
+    ("qwen3_5", "tp2", 2, ["+model.overrides.num_key_value_heads=1"]),
+    # 6 heads, 3 KV heads: rank 0's query heads read KV heads 0, 0, 1 and rank 1's 1, 2, 2 (one per query head)
+    ("qwen3_5", "tp2", 2, ["+model.overrides.num_attention_heads=6", "+model.overrides.num_key_value_heads=3",
+                           "+model.overrides.head_dim=32"]),
+    # 12 heads, 3 KV heads over tp 2 (0 0 0 0 1 1 | 1 1 2 2 2 2), then Ulysses over cp 2 on each tp rank's 6
+    pytest.param("qwen3_vl_moe", "tp2_cp2", 4, ["+model.overrides.num_attention_heads=12",
+                                                "+model.overrides.num_key_value_heads=3", "+model.overrides.head_dim=16"],
+                 marks=pytest.mark.full),
+])
+def test_kv_heads_tp_does_not_divide_are_replicated(model: str, layout: str, world: int, extra: list[str]) -> None:
+    """KV heads tp does not divide: every rank computes them all and keeps those its query heads read
+    (tensor_parallel.kv_heads_read); the k/v weights' gradients are summed over tp."""
+    _compare(model, layout, world, extra)
+
+
+@pytest.mark.parametrize(("heads", "kv", "tp", "read"), [
+    (8, 2, 4, [[0], [0], [1], [1]]),  # fewer KV heads than tp: one each, GQA on the rank
+    (8, 1, 2, [[0], [0]]),
+    (6, 3, 2, [[0, 0, 1], [1, 2, 2]]),  # a KV head shared by two ranks' query heads: one per query head
+    (12, 3, 2, [[0, 0, 0, 0, 1, 1], [1, 1, 2, 2, 2, 2]]),
+])
+def test_kv_heads_read(heads: int, kv: int, tp: int, read: list[list[int]]) -> None:
+    from hyperpar.distributed.tensor_parallel import kv_heads_read
+
+    assert [kv_heads_read(heads, kv, tp, r) for r in range(tp)] == read
 
 
 def _unusual_checkpoint(path: Path) -> dict:

@@ -32,12 +32,13 @@ def test_model_divisibility_checks():
     p = ParallelDims(world_size=4, dp_shard=1, tp=4)
     # fewer KV heads than tp: replicated (each rank keeps the KV head its query heads read) ...
     p.check_model({"num_attention_heads": 8, "num_key_value_heads": 2}, global_batch_size=8, micro_batch_size=1)
-    # ... unless replication is disabled, or the KV heads cannot be spread evenly
-    with pytest.raises(PlanError, match="replicate_kv_heads=false"):
-        ParallelDims(world_size=4, dp_shard=1, tp=4, replicate_kv_heads=False).check_model(
-            {"num_attention_heads": 8, "num_key_value_heads": 2}, global_batch_size=8, micro_batch_size=1)
-    with pytest.raises(PlanError, match="key/value heads 3 cannot be split over tp 4"):
-        p.check_model({"num_attention_heads": 12, "num_key_value_heads": 3}, global_batch_size=8, micro_batch_size=1)
+    # ... and KV heads tp does not divide either way (rank 0's query heads read KV heads 0, 0, 0, 1) ...
+    p.check_model({"num_attention_heads": 12, "num_key_value_heads": 3}, global_batch_size=8, micro_batch_size=1)
+    # ... unless replication is disabled
+    for kv in (2, 3):
+        with pytest.raises(PlanError, match=f"key/value heads {kv} not divisible by tp 4 and parallel.replicate_kv_heads=false"):
+            ParallelDims(world_size=4, dp_shard=1, tp=4, replicate_kv_heads=False).check_model(
+                {"num_attention_heads": 12, "num_key_value_heads": kv}, global_batch_size=8, micro_batch_size=1)
     with pytest.raises(PlanError, match="attention heads 4 not divisible by tp 3"):
         ParallelDims(world_size=3, dp_shard=1, tp=3).check_model(
             {"num_attention_heads": 4, "num_key_value_heads": 1}, global_batch_size=8, micro_batch_size=1)

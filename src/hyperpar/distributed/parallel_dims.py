@@ -103,11 +103,9 @@ class ParallelDims:
         tp = self.tp
         need(geometry.get("num_attention_heads", 0), tp, "attention heads", "tp")
         kv = geometry.get("num_key_value_heads", 0)
-        if kv and tp > 1 and kv % tp:
-            if kv > tp or tp % kv:
-                problems.append(f"key/value heads {kv} cannot be split over tp {tp} (neither divisible by tp nor a divisor of it)")
-            elif not self.replicate_kv_heads:
-                problems.append(f"key/value heads {kv} < tp {tp} and parallel.replicate_kv_heads=false")
+        if kv and tp > 1 and kv % tp and not self.replicate_kv_heads:
+            # replicated (the default): every rank computes all KV heads and keeps those it reads
+            problems.append(f"key/value heads {kv} not divisible by tp {tp} and parallel.replicate_kv_heads=false")
         need(geometry.get("linear_num_key_heads", 0), tp, "linear-attention key heads", "tp")
         need(geometry.get("linear_num_value_heads", 0), tp, "linear-attention value heads", "tp")
         if self.vision_tp:

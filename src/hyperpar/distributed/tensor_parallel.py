@@ -7,8 +7,9 @@ few styles PyTorch has no equivalent for are here, each a small ``ParallelStyle`
 - ``HeadShardedNorm``: a norm whose weight every head shares (q/k norms, the GatedDeltaNet output
   norm) applied to head-sharded activations. It runs on DTensors sharded over the head dim, so the
   weight gradient comes out Partial (each rank saw only its heads) and FSDP reduces it over tp.
-- ``ReplicatedKV``: k/v projections when there are fewer KV heads than tp ranks: every rank holds
-  the full weight and keeps the KV head its query heads read; gradients are Partial and summed.
+- ``ReplicatedKV``: k/v projections whose KV heads tp does not divide (fewer than tp, or 3 over
+  tp 2): every rank holds the full weight and keeps the KV heads its query heads read; gradients
+  are Partial and summed.
 - ``ExpertTensorParallel``: routed experts sharded on their intermediate dim; replicated tokens in,
   partial outputs all-reduced before the routing weights combine them (so the router, its aux loss
   and the shared-expert gate stay plain replicated computations with identical gradients).
@@ -91,22 +92,40 @@ class HeadShardedNorm(ParallelStyle):
         return distribute_module(module, device_mesh, partition, input_fn, output_fn)
 
 
-class ReplicatedKV(ParallelStyle):
-    """k_proj / v_proj with ``num_kv_heads`` < tp (tp a multiple of it): the weight is replicated,
-    rank r computes all KV heads and keeps head ``r // (tp / num_kv_heads)``, the one its query
-    heads read. The kept slice's gradient is this rank's share of the full gradient (Partial)."""
+def kv_heads_read(num_heads: int, num_kv_heads: int, tp: int, rank: int) -> list[int]:
+    """The KV heads tp rank ``rank`` keeps for its query heads (``ReplicatedKV``), in the order its
+    attention reads them. Its query heads are the ``rank``-th of tp equal runs; query head h reads KV
+    head h // (num_heads / num_kv_heads). When every kept head serves the same number of local query
+    heads the list holds each once (attention's own GQA repeat does the rest); otherwise one entry
+    per local query head (e.g. 6 heads, 3 KV heads, tp 2: rank 0 reads KV heads 0, 0, 1)."""
+    local, group = num_heads // tp, num_heads // num_kv_heads
+    read = [h // group for h in range(rank * local, (rank + 1) * local)]
+    kept = sorted(set(read))
+    if local % len(kept) == 0 and all(read.count(h) == local // len(kept) for h in kept):
+        return kept
+    return read
 
-    def __init__(self, num_kv_heads: int, head_dim: int) -> None:
+
+class ReplicatedKV(ParallelStyle):
+    """k_proj / v_proj with KV heads tp does not divide (``parallel.replicate_kv_heads``): the weight
+    is replicated, every rank computes all KV heads and keeps those its query heads read
+    (``kv_heads_read``). The kept slice's gradient is this rank's share of the full gradient
+    (Partial), summed over tp."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
         super().__init__()
+        self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         tp = device_mesh.size()
-        if tp % self.num_kv_heads:
-            raise ValueError(f"tp {tp} is not a multiple of the {self.num_kv_heads} KV heads")
-        head = device_mesh.get_local_rank() // (tp // self.num_kv_heads)
+        if self.num_heads % tp:
+            raise ValueError(f"{self.num_heads} attention heads cannot be split over tp {tp}")
+        heads = kv_heads_read(self.num_heads, self.num_kv_heads, tp, device_mesh.get_local_rank())
         hd = self.head_dim
+        contiguous = heads == list(range(heads[0], heads[0] + len(heads)))
+        index = None if contiguous else torch.tensor(heads)
 
         def partition(name: str, mod: nn.Module, mesh: DeviceMesh) -> None:
             if mod is module:
@@ -121,7 +140,11 @@ class ReplicatedKV(ParallelStyle):
             return (x, *inputs[1:])
 
         def output_fn(mod: nn.Module, out: DTensor, mesh: DeviceMesh) -> torch.Tensor:
-            return out.to_local(grad_placements=[Partial()])[..., head * hd : (head + 1) * hd]
+            full = out.to_local(grad_placements=[Partial()])
+            if index is None:
+                return full[..., heads[0] * hd : (heads[-1] + 1) * hd]
+            per_head = full.unflatten(-1, (self.num_kv_heads, hd))
+            return per_head.index_select(-2, index.to(full.device)).flatten(-2)
 
         return distribute_module(module, device_mesh, partition, input_fn, output_fn)
 
@@ -218,7 +241,8 @@ def block_input(sp: bool, n_extra: int = 0) -> PrepareModuleInput:
 def attention_plan(prefix: str, *, num_heads: int, num_kv_heads: int, head_dim: int, tp: int, sp: bool,
                    replicate_kv: bool = True) -> dict[str, ParallelStyle]:
     """Gated / plain attention (``Attention``): heads split; q_proj's per-head [query; gate] rows stay
-    together under a plain row split. KV heads split too, or (fewer KV heads than tp) replicated."""
+    together under a plain row split. KV heads split too, or (tp does not divide them) replicated
+    (``ReplicatedKV``)."""
     local = {"use_local_output": True}
     plan: dict[str, ParallelStyle] = {
         prefix: block_input(sp, n_extra=2),
@@ -230,11 +254,11 @@ def attention_plan(prefix: str, *, num_heads: int, num_kv_heads: int, head_dim: 
     if num_kv_heads % tp == 0:
         plan[f"{prefix}.k_proj"] = ColwiseParallel(**local)
         plan[f"{prefix}.v_proj"] = ColwiseParallel(**local)
-    elif replicate_kv and tp % num_kv_heads == 0:
-        plan[f"{prefix}.k_proj"] = ReplicatedKV(num_kv_heads, head_dim)
-        plan[f"{prefix}.v_proj"] = ReplicatedKV(num_kv_heads, head_dim)
+    elif replicate_kv:
+        plan[f"{prefix}.k_proj"] = ReplicatedKV(num_heads, num_kv_heads, head_dim)
+        plan[f"{prefix}.v_proj"] = ReplicatedKV(num_heads, num_kv_heads, head_dim)
     else:
-        raise ValueError(f"{num_kv_heads} KV heads cannot be split over tp {tp}")
+        raise ValueError(f"{num_kv_heads} KV heads cannot be split over tp {tp} (parallel.replicate_kv_heads=false)")
     return plan
 
 
