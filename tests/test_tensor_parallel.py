@@ -73,6 +73,9 @@ def test_sizes_not_divisible_by_tp(model: str, layout: str, world: int, extra: l
     # 6 heads, 3 KV heads: rank 0's query heads read KV heads 0, 0, 1 and rank 1's 1, 2, 2 (one per query head)
     ("qwen3_5", "tp2", 2, ["+model.overrides.num_attention_heads=6", "+model.overrides.num_key_value_heads=3",
                            "+model.overrides.head_dim=32"]),
+    # GatedDeltaNet: 3 key heads, 6 value heads (one key head per value head on each rank); MTP's attention too
+    ("qwen3_5_moe", "tp2", 2, ["+model.overrides.linear_num_key_heads=3", "+model.overrides.linear_num_value_heads=6",
+                               "+model.overrides.linear_value_head_dim=32", "model.mtp_loss_weight=0.3"]),
     # 12 heads, 3 KV heads over tp 2 (0 0 0 0 1 1 | 1 1 2 2 2 2), then Ulysses over cp 2 on each tp rank's 6
     pytest.param("qwen3_vl_moe", "tp2_cp2", 4, ["+model.overrides.num_attention_heads=12",
                                                 "+model.overrides.num_key_value_heads=3", "+model.overrides.head_dim=16"],
@@ -80,7 +83,7 @@ def test_sizes_not_divisible_by_tp(model: str, layout: str, world: int, extra: l
 ])
 def test_kv_heads_tp_does_not_divide_are_replicated(model: str, layout: str, world: int, extra: list[str]) -> None:
     """KV heads tp does not divide: every rank computes them all and keeps those its query heads read
-    (tensor_parallel.kv_heads_read); the k/v weights' gradients are summed over tp."""
+    (tensor_parallel.heads_read); the k/v weights' gradients are summed over tp."""
     _compare(model, layout, world, extra)
 
 
@@ -90,10 +93,10 @@ def test_kv_heads_tp_does_not_divide_are_replicated(model: str, layout: str, wor
     (6, 3, 2, [[0, 0, 1], [1, 2, 2]]),  # a KV head shared by two ranks' query heads: one per query head
     (12, 3, 2, [[0, 0, 0, 0, 1, 1], [1, 1, 2, 2, 2, 2]]),
 ])
-def test_kv_heads_read(heads: int, kv: int, tp: int, read: list[list[int]]) -> None:
-    from hyperpar.distributed.tensor_parallel import kv_heads_read
+def test_heads_read(heads: int, kv: int, tp: int, read: list[list[int]]) -> None:
+    from hyperpar.distributed.tensor_parallel import heads_read
 
-    assert [kv_heads_read(heads, kv, tp, r) for r in range(tp)] == read
+    assert [heads_read(heads, kv, tp, r) for r in range(tp)] == read
 
 
 def _unusual_checkpoint(path: Path) -> dict:

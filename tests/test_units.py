@@ -34,11 +34,17 @@ def test_model_divisibility_checks():
     p.check_model({"num_attention_heads": 8, "num_key_value_heads": 2}, global_batch_size=8, micro_batch_size=1)
     # ... and KV heads tp does not divide either way (rank 0's query heads read KV heads 0, 0, 0, 1) ...
     p.check_model({"num_attention_heads": 12, "num_key_value_heads": 3}, global_batch_size=8, micro_batch_size=1)
+    # ... as GatedDeltaNet's key heads are (3 key heads for 12 value heads) ...
+    p.check_model({"linear_num_key_heads": 3, "linear_num_value_heads": 12}, global_batch_size=8, micro_batch_size=1)
     # ... unless replication is disabled
+    no_rep = ParallelDims(world_size=4, dp_shard=1, tp=4, replicate_kv_heads=False)
     for kv in (2, 3):
         with pytest.raises(PlanError, match=f"key/value heads {kv} not divisible by tp 4 and parallel.replicate_kv_heads=false"):
-            ParallelDims(world_size=4, dp_shard=1, tp=4, replicate_kv_heads=False).check_model(
-                {"num_attention_heads": 12, "num_key_value_heads": kv}, global_batch_size=8, micro_batch_size=1)
+            no_rep.check_model({"num_attention_heads": 12, "num_key_value_heads": kv}, global_batch_size=8, micro_batch_size=1)
+    with pytest.raises(PlanError, match="linear-attention key heads 3 not divisible by tp 4 and parallel.replicate_kv_heads=false"):
+        no_rep.check_model({"linear_num_key_heads": 3, "linear_num_value_heads": 12}, global_batch_size=8, micro_batch_size=1)
+    with pytest.raises(PlanError, match="linear-attention value heads 6 not divisible by tp 4"):
+        p.check_model({"linear_num_key_heads": 3, "linear_num_value_heads": 6}, global_batch_size=8, micro_batch_size=1)
     with pytest.raises(PlanError, match="attention heads 4 not divisible by tp 3"):
         ParallelDims(world_size=3, dp_shard=1, tp=3).check_model(
             {"num_attention_heads": 4, "num_key_value_heads": 1}, global_batch_size=8, micro_batch_size=1)

@@ -78,7 +78,7 @@ class ParallelConfig:
     pp_schedule: str = "1F1B"  # gpipe | 1f1b | interleaved_1f1b | zero_bubble (case-insensitive; used when pp > 1)
     pp_layers: Optional[list[int]] = None  # decoder layers per (virtual) stage; None: balanced, embedding/head counted
     # tensor parallel: norms/residuals sequence-sharded over tp; vision tower TP'd (else replicated);
-    # KV heads tp does not divide: replicate k/v projections (each rank keeps the KV heads it reads)
+    # KV (GatedDeltaNet key) heads tp does not divide: replicate their projections (each rank keeps those it reads)
     sequence_parallel: bool = True
     vision_tp: bool = False
     replicate_kv_heads: bool = True

@@ -106,7 +106,9 @@ class ParallelDims:
         if kv and tp > 1 and kv % tp and not self.replicate_kv_heads:
             # replicated (the default): every rank computes all KV heads and keeps those it reads
             problems.append(f"key/value heads {kv} not divisible by tp {tp} and parallel.replicate_kv_heads=false")
-        need(geometry.get("linear_num_key_heads", 0), tp, "linear-attention key heads", "tp")
+        nk = geometry.get("linear_num_key_heads", 0)
+        if nk and tp > 1 and nk % tp and not self.replicate_kv_heads:
+            problems.append(f"linear-attention key heads {nk} not divisible by tp {tp} and parallel.replicate_kv_heads=false")
         need(geometry.get("linear_num_value_heads", 0), tp, "linear-attention value heads", "tp")
         if self.vision_tp:
             need(geometry.get("vision_num_heads", 0), tp, "vision heads", "tp (parallel.vision_tp)")

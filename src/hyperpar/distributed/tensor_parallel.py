@@ -9,7 +9,8 @@ few styles PyTorch has no equivalent for are here, each a small ``ParallelStyle`
   weight gradient comes out Partial (each rank saw only its heads) and FSDP reduces it over tp.
 - ``ReplicatedKV``: k/v projections whose KV heads tp does not divide (fewer than tp, or 3 over
   tp 2): every rank holds the full weight and keeps the KV heads its query heads read; gradients
-  are Partial and summed.
+  are Partial and summed. ``ReplicatedKeyHeads`` (with ``ReplicatedOutput``, ``ReplicateParams``)
+  does the same for GatedDeltaNet's key heads.
 - ``ExpertTensorParallel``: routed experts sharded on their intermediate dim; replicated tokens in,
   partial outputs all-reduced before the routing weights combine them (so the router, its aux loss
   and the shared-expert gate stay plain replicated computations with identical gradients).
@@ -92,13 +93,14 @@ class HeadShardedNorm(ParallelStyle):
         return distribute_module(module, device_mesh, partition, input_fn, output_fn)
 
 
-def kv_heads_read(num_heads: int, num_kv_heads: int, tp: int, rank: int) -> list[int]:
-    """The KV heads tp rank ``rank`` keeps for its query heads (``ReplicatedKV``), in the order its
-    attention reads them. Its query heads are the ``rank``-th of tp equal runs; query head h reads KV
-    head h // (num_heads / num_kv_heads). When every kept head serves the same number of local query
-    heads the list holds each once (attention's own GQA repeat does the rest); otherwise one entry
-    per local query head (e.g. 6 heads, 3 KV heads, tp 2: rank 0 reads KV heads 0, 0, 1)."""
-    local, group = num_heads // tp, num_heads // num_kv_heads
+def heads_read(num_heads: int, num_read: int, tp: int, rank: int) -> list[int]:
+    """The heads tp rank ``rank`` keeps of ``num_read`` shared ones (KV heads for attention's query
+    heads, key heads for GatedDeltaNet's value heads), in the order its kernel reads them. Its
+    ``num_heads`` reading heads are the ``rank``-th of tp equal runs; reading head h reads head
+    h // (num_heads / num_read). When every kept head serves the same number of local reading heads
+    the list holds each once (the kernel's own grouped repeat does the rest); otherwise one entry per
+    local reading head (e.g. 6 heads, 3 KV heads, tp 2: rank 0 reads KV heads 0, 0, 1)."""
+    local, group = num_heads // tp, num_heads // num_read
     read = [h // group for h in range(rank * local, (rank + 1) * local)]
     kept = sorted(set(read))
     if local % len(kept) == 0 and all(read.count(h) == local // len(kept) for h in kept):
@@ -106,27 +108,15 @@ def kv_heads_read(num_heads: int, num_kv_heads: int, tp: int, rank: int) -> list
     return read
 
 
-class ReplicatedKV(ParallelStyle):
-    """k_proj / v_proj with KV heads tp does not divide (``parallel.replicate_kv_heads``): the weight
-    is replicated, every rank computes all KV heads and keeps those its query heads read
-    (``kv_heads_read``). The kept slice's gradient is this rank's share of the full gradient
-    (Partial), summed over tp."""
+class ReplicatedOutput(ParallelStyle):
+    """A linear with a replicated weight whose output every rank uses in part (GatedDeltaNet's q/k
+    projections under ``ReplicatedKeyHeads``): the full output, its gradient Partial (each rank's
+    share of the full gradient, summed over tp)."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
-        super().__init__()
-        self.num_heads = num_heads
-        self.num_kv_heads = num_kv_heads
-        self.head_dim = head_dim
+    def _keep(self, full: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+        return full
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        tp = device_mesh.size()
-        if self.num_heads % tp:
-            raise ValueError(f"{self.num_heads} attention heads cannot be split over tp {tp}")
-        heads = kv_heads_read(self.num_heads, self.num_kv_heads, tp, device_mesh.get_local_rank())
-        hd = self.head_dim
-        contiguous = heads == list(range(heads[0], heads[0] + len(heads)))
-        index = None if contiguous else torch.tensor(heads)
-
         def partition(name: str, mod: nn.Module, mesh: DeviceMesh) -> None:
             if mod is module:
                 _replicate_params(mod, mesh)
@@ -140,13 +130,74 @@ class ReplicatedKV(ParallelStyle):
             return (x, *inputs[1:])
 
         def output_fn(mod: nn.Module, out: DTensor, mesh: DeviceMesh) -> torch.Tensor:
-            full = out.to_local(grad_placements=[Partial()])
-            if index is None:
-                return full[..., heads[0] * hd : (heads[-1] + 1) * hd]
-            per_head = full.unflatten(-1, (self.num_kv_heads, hd))
-            return per_head.index_select(-2, index.to(full.device)).flatten(-2)
+            return self._keep(out.to_local(grad_placements=[Partial()]), mesh)
 
         return distribute_module(module, device_mesh, partition, input_fn, output_fn)
+
+
+class ReplicatedKV(ReplicatedOutput):
+    """k_proj / v_proj with KV heads tp does not divide (``parallel.replicate_kv_heads``): the weight
+    is replicated, every rank computes all KV heads and keeps those its query heads read
+    (``heads_read``). The kept slice's gradient is this rank's share of the full gradient
+    (Partial), summed over tp."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+
+    def _keep(self, full: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+        tp, hd = mesh.size(), self.head_dim
+        if self.num_heads % tp:
+            raise ValueError(f"{self.num_heads} attention heads cannot be split over tp {tp}")
+        heads = heads_read(self.num_heads, self.num_kv_heads, tp, mesh.get_local_rank())
+        if heads == list(range(heads[0], heads[0] + len(heads))):
+            return full[..., heads[0] * hd : (heads[-1] + 1) * hd]
+        per_head = full.unflatten(-1, (self.num_kv_heads, hd))
+        return per_head.index_select(-2, torch.tensor(heads, device=full.device)).flatten(-2)
+
+
+class ReplicateParams(ParallelStyle):
+    """The module's own parameters replicated over tp (a kernel takes the part it needs; see
+    ``ReplicatedKeyHeads`` for how their gradients are summed)."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        _replicate_params(module, device_mesh)
+        return module
+
+
+class ReplicatedKeyHeads(ParallelStyle):
+    """GatedDeltaNet's recurrence when tp does not divide the key heads: q and k arrive with every key
+    head (``ReplicatedOutput``) and the q/k conv weights whole (``ReplicateParams``); before the
+    kernel each rank keeps the key heads its value heads read (``heads_read``), in q, k and the conv
+    weights' head-major rows alike. Each rank's conv-weight gradient is its part of the full one, so
+    it is summed over tp on the way back."""
+
+    def __init__(self, num_value_heads: int, num_key_heads: int) -> None:
+        super().__init__()
+        self.num_value_heads = num_value_heads
+        self.num_key_heads = num_key_heads
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        tp = device_mesh.size()
+        if self.num_value_heads % tp:
+            raise ValueError(f"{self.num_value_heads} linear-attention value heads cannot be split over tp {tp}")
+        heads = heads_read(self.num_value_heads, self.num_key_heads, tp, device_mesh.get_local_rank())
+        index = torch.tensor(heads)
+        nk = self.num_key_heads
+
+        def keep(t: torch.Tensor, dim: int) -> torch.Tensor:
+            return t.index_select(dim, index.to(t.device))
+
+        def before(mod: nn.Module, args: tuple) -> tuple:
+            q, k, v, g, beta, conv_q, conv_k, conv_v = args[:8]
+            convs = (keep(_grad_all_reduce(w, device_mesh).view(nk, -1, w.shape[-1]), 0).flatten(0, 1)
+                     for w in (conv_q, conv_k))
+            return (keep(q, 2), keep(k, 2), v, g, beta, *convs, conv_v, *args[8:])
+
+        module.register_forward_pre_hook(before)
+        return module
 
 
 def _grad_all_reduce(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
@@ -262,15 +313,24 @@ def attention_plan(prefix: str, *, num_heads: int, num_kv_heads: int, head_dim: 
     return plan
 
 
-def gated_deltanet_plan(prefix: str, *, sp: bool) -> dict[str, ParallelStyle]:
+def gated_deltanet_plan(prefix: str, *, sp: bool, num_key_heads: int = 0, num_value_heads: int = 0, tp: int = 1,
+                        replicate_kv: bool = True) -> dict[str, ParallelStyle]:
     """GatedDeltaNet: value heads (and the key heads they read) split; every per-head parameter
-    follows its heads; the shared output-norm weight is replicated."""
+    follows its heads; the shared output-norm weight is replicated. Key heads tp does not divide
+    (3 key heads, 6 value heads over tp 2) are replicated as attention's KV heads are
+    (``ReplicatedKeyHeads``)."""
     local = {"use_local_output": True}
     plan: dict[str, ParallelStyle] = {prefix: block_input(sp)}
+    split_keys = not num_key_heads or num_key_heads % tp == 0
+    if not split_keys and not replicate_kv:
+        raise ValueError(f"{num_key_heads} linear-attention key heads cannot be split over tp {tp} "
+                         "(parallel.replicate_kv_heads=false)")
     for proj in ("in_proj_q", "in_proj_k", "in_proj_v", "in_proj_z", "in_proj_b", "in_proj_a"):
-        plan[f"{prefix}.{proj}"] = ColwiseParallel(**local)
+        plan[f"{prefix}.{proj}"] = ColwiseParallel(**local) if split_keys or proj[-1] not in "qk" else ReplicatedOutput()
     for conv in ("conv1d_q", "conv1d_k", "conv1d_v"):
-        plan[f"{prefix}.{conv}"] = ShardParams({"weight": 0})
+        plan[f"{prefix}.{conv}"] = ShardParams({"weight": 0}) if split_keys or conv == "conv1d_v" else ReplicateParams()
+    if not split_keys:
+        plan[f"{prefix}.recurrence"] = ReplicatedKeyHeads(num_value_heads, num_key_heads)
     plan[prefix + "#params"] = ShardParams({"A_log": 0, "dt_bias": 0})
     plan[f"{prefix}.norm"] = HeadShardedNorm()
     plan[f"{prefix}.out_proj"] = RowwiseParallel(output_layouts=_stream(sp), use_local_output=not sp)
@@ -332,7 +392,8 @@ def decoder_layer_plan(prefix: str, layer: nn.Module, *, tp: int, sp: bool, repl
             plan.update(attention_plan(path, num_heads=child.num_heads, num_kv_heads=child.num_kv_heads,
                                        head_dim=child.head_dim, tp=tp, sp=sp, replicate_kv=replicate_kv))
         elif isinstance(child, GatedDeltaNet):
-            plan.update(gated_deltanet_plan(path, sp=sp))
+            plan.update(gated_deltanet_plan(path, sp=sp, num_key_heads=child.num_key_heads,
+                                            num_value_heads=child.num_value_heads, tp=tp, replicate_kv=replicate_kv))
         elif isinstance(child, SparseMoeBlock):
             plan.update(moe_plan(path, sp=sp, shared_expert=child.shared_expert, tp=tp))
         elif isinstance(child, SwiGLUMLP):
