@@ -70,12 +70,17 @@ def test_sizes_not_divisible_by_tp(model: str, layout: str, world: int, extra: l
 @pytest.mark.parametrize(("model", "layout", "world", "extra"), [
     # 1 KV head: both ranks compute it and keep it for their query heads
     ("qwen3_5", "tp2", 2, ["+model.overrides.num_key_value_heads=1"]),
-    # 6 heads, 3 KV heads: rank 0's query heads read KV heads 0, 0, 1 and rank 1's 1, 2, 2 (one per query head)
-    ("qwen3_5", "tp2", 2, ["+model.overrides.num_attention_heads=6", "+model.overrides.num_key_value_heads=3",
-                           "+model.overrides.head_dim=32"]),
-    # GatedDeltaNet: 3 key heads, 6 value heads (one key head per value head on each rank); MTP's attention too
-    ("qwen3_5_moe", "tp2", 2, ["+model.overrides.linear_num_key_heads=3", "+model.overrides.linear_num_value_heads=6",
-                               "+model.overrides.linear_value_head_dim=32", "model.mtp_loss_weight=0.3"]),
+    # 6 heads, 3 KV heads: rank 0's query heads read KV heads 0, 0, 1 and rank 1's 1, 2, 2 (one per query
+    # head); GatedDeltaNet's 3 key heads for 6 value heads the same way; the MTP layer's attention too
+    ("qwen3_5_moe", "tp2", 2, ["+model.overrides.num_attention_heads=6", "+model.overrides.num_key_value_heads=3",
+                               "+model.overrides.head_dim=32", "+model.overrides.linear_num_key_heads=3",
+                               "+model.overrides.linear_num_value_heads=6", "+model.overrides.linear_value_head_dim=32",
+                               "model.mtp_loss_weight=0.3"]),
+    # 3 key heads for 12 value heads over tp 2 (one per value head), then Ulysses over cp 2, packed documents
+    pytest.param("qwen3_5", "tp2_cp2", 4, ["+model.overrides.linear_num_key_heads=3",
+                                           "+model.overrides.linear_num_value_heads=12",
+                                           "+model.overrides.linear_value_head_dim=16", "data=json"],
+                 marks=pytest.mark.full),
     # 12 heads, 3 KV heads over tp 2 (0 0 0 0 1 1 | 1 1 2 2 2 2), then Ulysses over cp 2 on each tp rank's 6
     pytest.param("qwen3_vl_moe", "tp2_cp2", 4, ["+model.overrides.num_attention_heads=12",
                                                 "+model.overrides.num_key_value_heads=3", "+model.overrides.head_dim=16"],
