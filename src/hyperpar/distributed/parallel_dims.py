@@ -102,13 +102,11 @@ class ParallelDims:
 
         tp = self.tp
         need(geometry.get("num_attention_heads", 0), tp, "attention heads", "tp")
-        kv = geometry.get("num_key_value_heads", 0)
-        if kv and tp > 1 and kv % tp and not self.replicate_kv_heads:
-            # replicated (the default): every rank computes all KV heads and keeps those it reads
-            problems.append(f"key/value heads {kv} not divisible by tp {tp} and parallel.replicate_kv_heads=false")
-        nk = geometry.get("linear_num_key_heads", 0)
-        if nk and tp > 1 and nk % tp and not self.replicate_kv_heads:
-            problems.append(f"linear-attention key heads {nk} not divisible by tp {tp} and parallel.replicate_kv_heads=false")
+        # KV and GatedDeltaNet key heads tp does not divide are replicated (each rank keeps those it reads)
+        for key, what in (("num_key_value_heads", "key/value heads"), ("linear_num_key_heads", "linear-attention key heads")):
+            n = geometry.get(key, 0)
+            if n and tp > 1 and n % tp and not self.replicate_kv_heads:
+                problems.append(f"{what} {n} not divisible by tp {tp} and parallel.replicate_kv_heads=false")
         need(geometry.get("linear_num_value_heads", 0), tp, "linear-attention value heads", "tp")
         if self.vision_tp:
             need(geometry.get("vision_num_heads", 0), tp, "vision heads", "tp (parallel.vision_tp)")

@@ -24,7 +24,7 @@ on the shard), replicated without. Each mixer / FFN all-gathers its input once a
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
@@ -113,10 +113,13 @@ class ReplicatedOutput(ParallelStyle):
     projections under ``ReplicatedKeyHeads``): the full output, its gradient Partial (each rank's
     share of the full gradient, summed over tp)."""
 
-    def _keep(self, full: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
-        return full
+    def _keeper(self, mesh: DeviceMesh) -> Callable[[torch.Tensor], torch.Tensor]:
+        """What this rank keeps of the full output (all of it here), fixed once per module."""
+        return lambda full: full
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        keep = self._keeper(device_mesh)
+
         def partition(name: str, mod: nn.Module, mesh: DeviceMesh) -> None:
             if mod is module:
                 _replicate_params(mod, mesh)
@@ -130,7 +133,7 @@ class ReplicatedOutput(ParallelStyle):
             return (x, *inputs[1:])
 
         def output_fn(mod: nn.Module, out: DTensor, mesh: DeviceMesh) -> torch.Tensor:
-            return self._keep(out.to_local(grad_placements=[Partial()]), mesh)
+            return keep(out.to_local(grad_placements=[Partial()]))
 
         return distribute_module(module, device_mesh, partition, input_fn, output_fn)
 
@@ -147,15 +150,15 @@ class ReplicatedKV(ReplicatedOutput):
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
 
-    def _keep(self, full: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
-        tp, hd = mesh.size(), self.head_dim
+    def _keeper(self, mesh: DeviceMesh) -> Callable[[torch.Tensor], torch.Tensor]:
+        tp, hd, nkv = mesh.size(), self.head_dim, self.num_kv_heads
         if self.num_heads % tp:
             raise ValueError(f"{self.num_heads} attention heads cannot be split over tp {tp}")
-        heads = heads_read(self.num_heads, self.num_kv_heads, tp, mesh.get_local_rank())
+        heads = heads_read(self.num_heads, nkv, tp, mesh.get_local_rank())
         if heads == list(range(heads[0], heads[0] + len(heads))):
-            return full[..., heads[0] * hd : (heads[-1] + 1) * hd]
-        per_head = full.unflatten(-1, (self.num_kv_heads, hd))
-        return per_head.index_select(-2, torch.tensor(heads, device=full.device)).flatten(-2)
+            return lambda full: full[..., heads[0] * hd : (heads[-1] + 1) * hd]
+        index = torch.tensor(heads)
+        return lambda full: full.unflatten(-1, (nkv, hd)).index_select(-2, index.to(full.device)).flatten(-2)
 
 
 class ReplicateParams(ParallelStyle):
@@ -326,10 +329,13 @@ def gated_deltanet_plan(prefix: str, *, sp: bool, num_key_heads: int = 0, num_va
         raise ValueError(f"{num_key_heads} linear-attention key heads cannot be split over tp {tp} "
                          "(parallel.replicate_kv_heads=false)")
     for proj in ("in_proj_q", "in_proj_k", "in_proj_v", "in_proj_z", "in_proj_b", "in_proj_a"):
-        plan[f"{prefix}.{proj}"] = ColwiseParallel(**local) if split_keys or proj[-1] not in "qk" else ReplicatedOutput()
+        plan[f"{prefix}.{proj}"] = ColwiseParallel(**local)
     for conv in ("conv1d_q", "conv1d_k", "conv1d_v"):
-        plan[f"{prefix}.{conv}"] = ShardParams({"weight": 0}) if split_keys or conv == "conv1d_v" else ReplicateParams()
-    if not split_keys:
+        plan[f"{prefix}.{conv}"] = ShardParams({"weight": 0})
+    if not split_keys:  # the key heads' projections and convs whole, the recurrence keeping its heads
+        for part in ("q", "k"):
+            plan[f"{prefix}.in_proj_{part}"] = ReplicatedOutput()
+            plan[f"{prefix}.conv1d_{part}"] = ReplicateParams()
         plan[f"{prefix}.recurrence"] = ReplicatedKeyHeads(num_value_heads, num_key_heads)
     plan[prefix + "#params"] = ShardParams({"A_log": 0, "dt_bias": 0})
     plan[f"{prefix}.norm"] = HeadShardedNorm()
