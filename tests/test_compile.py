@@ -61,18 +61,29 @@ def test_compiled_model_parallel_layouts_match_eager_single(tmp_path, base, layo
     assert eager[1]["loss"] != eager[4]["loss"]
 
 
+TP_BASE = ["model=qwen3_5", "train.seq_len=32", "train.global_batch_size=4", "train.micro_batch_size=1"]
+
+
 @pytest.mark.slow
 def test_compiled_tensor_parallel_gradients_equal_one_process(tmp_path, monkeypatch):
-    """Compiled tp2 blocks, with and without SP: every parameter's gradient equals eager single's.
-    The first block's input arrives from the embedding's asynchronous collective (its gradient went
-    wrong when the wait was traced into the block), and tp2 runs twice over one fresh compile cache,
-    so the second run loads what the first stored (a rank loaded another rank's compiled backward)."""
+    """Compiled tp2 blocks with SP: every parameter's gradient equals eager single's. The first
+    block's input arrives from the embedding's asynchronous collective (its gradient went wrong when
+    the wait was traced into the block), and tp2 runs twice over one fresh compile cache, so the
+    second run loads what the first stored (a rank loaded another rank's compiled backward)."""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
-    base = ["model=qwen3_5", "train.seq_len=32", "train.global_batch_size=4", "train.micro_batch_size=1"]
-    ref = layout_grads(["parallel=single", *base], 1)
-    for run, extra in enumerate([[], [], ["parallel.sequence_parallel=false"]]):
-        got = layout_grads(["parallel=tp2", "train.compile=true", *base, *extra], 2)
-        assert_same_step(ref, got, f"compiled tp2 run {run} {' '.join(extra)}")
+    ref = layout_grads(["parallel=single", *TP_BASE], 1)
+    for run in range(2):
+        got = layout_grads(["parallel=tp2", "train.compile=true", *TP_BASE], 2)
+        assert_same_step(ref, got, f"compiled tp2 run {run}")
+
+
+@pytest.mark.full
+def test_compiled_tensor_parallel_without_sp_gradients_equal_one_process(tmp_path, monkeypatch):
+    """Compiled tp2 blocks without SP (replicated block inputs)."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    ref = layout_grads(["parallel=single", *TP_BASE], 1)
+    got = layout_grads(["parallel=tp2", "train.compile=true", "parallel.sequence_parallel=false", *TP_BASE], 2)
+    assert_same_step(ref, got, "compiled tp2 without SP")
 
 
 @pytest.mark.parametrize(("extra", "message"), [

@@ -1,6 +1,7 @@
 """Context parallel (Ulysses): the kernel wrappers (attention core, GatedDeltaNet conv + chunked
 delta rule) under cp 2 equal the full-sequence kernels, forward and backward, with K/V (key) heads
-fewer than cp repeated and with packed documents; the plan refuses what cannot be split; every
+fewer than cp repeated, query (value) heads cp does not divide padded, and with packed documents;
+the plan accepts any head count (and prints the padding); every
 family's one-step gradient under cp layouts equals one process's, parameter by parameter; and
 training through the real CLI under cp equals single per step (loss, aux loss, MTP loss) at
 seq_len 256 (8 GDN chunks of the whole row, 4 per shard)."""
@@ -83,7 +84,9 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
         group = mesh.get_group()
         doc = _documents()
         reports = {}
-        for kv in (1, 2, 4):  # fewer KV heads than cp (repeated), as many, more
+        # fewer KV heads than cp (repeated), as many, more; 3 query heads cp 2 does not divide (padded
+        # to 4, K/V heads repeated to one per query head)
+        for heads, kv in ((4, 1), (4, 2), (4, 4), (3, 1), (3, 3)):
             for packed in (False, True):
                 cores = {False: AttentionCore(scale=0.125), True: UlyssesAttention(mesh).apply(AttentionCore(scale=0.125))}
                 d = doc if packed else None
@@ -91,10 +94,12 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
                 def attn(wrapped, q, k, v, cores=cores, d=d):
                     return cores[wrapped](q, k, v, doc=d)
 
-                shapes = {"q": (B, S, 4, 8), "k": (B, S, kv, 8), "v": (B, S, kv, 8)}
-                reports[f"attn_kv{kv}_doc{packed}"] = _compare(attn, lambda: _inputs(shapes, kv), list(shapes), rank, group)
-        for nk in (1, 2):  # key heads fewer than cp (repeated, conv weights too), as many
-            nv, dk, dv, K = 4, 8, 8, 4
+                shapes = {"q": (B, S, heads, 8), "k": (B, S, kv, 8), "v": (B, S, kv, 8)}
+                reports[f"attn_h{heads}_kv{kv}_doc{packed}"] = _compare(attn, lambda: _inputs(shapes, kv), list(shapes),
+                                                                      rank, group)
+        # key heads fewer than cp (repeated, conv weights too), as many; 3 value heads (padded to 4)
+        for nk, nv in ((1, 4), (2, 4), (1, 3), (3, 3)):
+            dk, dv, K = 8, 8, 4
             for packed in (False, True):
                 rules = {False: GatedDeltaRule(chunk_size=16), True: UlyssesDeltaRule(mesh).apply(GatedDeltaRule(chunk_size=16))}
                 d = doc if packed else None
@@ -104,7 +109,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
 
                 shapes = {"q": (B, S, nk, dk), "k": (B, S, nk, dk), "v": (B, S, nv, dv), "g": (B, S, nv),
                           "beta": (B, S, nv), "cq": (nk * dk, 1, K), "ck": (nk * dk, 1, K), "cv": (nv * dv, 1, K)}
-                reports[f"gdn_nk{nk}_doc{packed}"] = _compare(gdn, lambda: _inputs(shapes, 10 + nk), list(shapes)[:5],
+                reports[f"gdn_nk{nk}_nv{nv}_doc{packed}"] = _compare(gdn, lambda: _inputs(shapes, 10 + nk), list(shapes)[:5],
                                                               rank, group)
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(reports))
     except BaseException:
@@ -119,7 +124,7 @@ def test_ulysses_kernels_under_cp2_equal_full_sequence(tmp_path):
     mp.spawn(_worker, args=(CP, free_port(), str(tmp_path)), nprocs=CP, join=True)
     for r in range(CP):
         reports = json.loads((tmp_path / f"rank{r}.json").read_text())
-        assert len(reports) == 10
+        assert len(reports) == 18
         for case, rep in reports.items():
             assert rep.pop("shape_ok") == 1.0, case
             assert all(v <= 1e-5 for v in rep.values()), (case, rep)
@@ -131,29 +136,32 @@ GEOMETRY = {"num_attention_heads": 4, "num_key_value_heads": 2, "linear_num_key_
             "vocab_size": 2048, "intermediate_size": 384}
 
 
-@pytest.mark.parametrize(
-    ("degrees", "message"),
-    [
-        ({"cp": 8}, "attention heads 4 not divisible by tp x cp 8"),
-        ({"cp": 2, "tp": 4}, "linear-attention value heads 4 not divisible by tp x cp 8"),
-    ],
-)
-def test_cp_plan_errors(degrees, message):
+@pytest.mark.parametrize(("degrees", "padding"), [
+    ({"cp": 4}, ""),  # 2 KV heads (and 2 GDN key heads) under cp 4: repeated
+    ({"cp": 8}, "attention heads 4 padded to 8 for cp 8; linear-attention value heads 4 padded to 8 for cp 8"),
+    ({"cp": 2, "tp": 4}, "attention heads 4 (1 per tp rank) padded to 2 for cp 2; "
+                         "linear-attention value heads 4 (1 per tp rank) padded to 2 for cp 2"),
+    ({"cp": 4, "tp": 2}, "attention heads 4 (2 per tp rank) padded to 4 for cp 4; "
+                         "linear-attention value heads 4 (2 per tp rank) padded to 4 for cp 4"),
+])
+def test_cp_plan_accepts_heads_cp_does_not_divide(degrees, padding):
+    """Heads fewer than (or not a multiple of) cp are not refused: K/V heads are repeated, query
+    heads padded with empty ones, and the plan says what is padded."""
+    from hyperpar.distributed.context_parallel import head_padding
+    from hyperpar.distributed.parallel_dims import ParallelDims
+
+    world = degrees.get("cp", 1) * degrees.get("tp", 1)
+    ParallelDims(world_size=world, dp_shard=1, **degrees).check_model(GEOMETRY, global_batch_size=4, micro_batch_size=1)
+    note = head_padding(GEOMETRY, degrees.get("tp", 1), degrees["cp"])
+    assert note.startswith(padding) and bool(note) == bool(padding)
+
+
+def test_cp_plan_still_refuses_what_tp_cannot_split():
     from hyperpar.distributed.parallel_dims import ParallelDims
     from hyperpar.errors import PlanError
 
-    world = degrees.get("cp", 1) * degrees.get("tp", 1)
-    pd = ParallelDims(world_size=world, dp_shard=1, **degrees)
-    pd.check_supported()  # cp itself is supported
-    with pytest.raises(PlanError, match=re.escape(message)):
-        pd.check_model(GEOMETRY, global_batch_size=4, micro_batch_size=1)
-
-
-def test_cp_plan_accepts_kv_heads_fewer_than_cp():
-    """2 KV heads (and 2 GDN key heads) under cp 4: repeated, not refused; no tp means no SP factor."""
-    from hyperpar.distributed.parallel_dims import ParallelDims
-
-    ParallelDims(world_size=4, dp_shard=1, cp=4).check_model(GEOMETRY, global_batch_size=4, micro_batch_size=1)
+    with pytest.raises(PlanError, match=re.escape("attention heads 4 not divisible by tp 8")):
+        ParallelDims(world_size=16, dp_shard=1, cp=2, tp=8).check_model(GEOMETRY, global_batch_size=4, micro_batch_size=1)
 
 
 # ---- gradients: one step of every family under cp layouts equals one process --------------------------
@@ -186,6 +194,24 @@ def test_cp2_gradients_on_packed_documents_equal_one_process():
     the shard edge): the kernels read the whole-row documents after the all-to-all, and the MTP
     stream's documents (one padded row on the last rank) too."""
     assert_layout_matches_single(["model=qwen3_5_moe", "data=json", *STEP, *MOE], "cp2", 2)
+
+
+# Heads cp does not divide: padded with empty heads (the kernels' own check is the Ulysses test above).
+HEADS_3 = ["+model.overrides.num_attention_heads=3", "+model.overrides.num_key_value_heads=1",
+           "+model.overrides.linear_num_key_heads=1", "+model.overrides.linear_num_value_heads=3"]
+HEADS_6 = ["+model.overrides.num_attention_heads=6", "+model.overrides.num_key_value_heads=3",
+           "+model.overrides.head_dim=16", "+model.overrides.linear_num_key_heads=3",
+           "+model.overrides.linear_num_value_heads=6", "+model.overrides.linear_value_head_dim=16"]
+
+
+@pytest.mark.parametrize(("model", "layout", "world", "extra"), [
+    # 3 heads / 1 KV and 3 value / 1 key linear heads under cp 2 (each padded to 4), packed documents, MTP
+    ("qwen3_5_moe", "cp2", 2, [*HEADS_3, *MOE, "data=json"]),
+    # 6 heads / 3 KV over tp 2 (KV heads replicated), then each tp rank's 3 padded to 4 for cp 2
+    pytest.param("qwen3_5", "tp2_cp2", 4, HEADS_6, marks=pytest.mark.full),
+])
+def test_heads_cp_does_not_divide_are_padded(model, layout, world, extra):
+    assert_layout_matches_single([f"model={model}", *STEP, *extra], layout, world)
 
 
 @pytest.mark.parametrize(("model", "layout", "seq_len"), [

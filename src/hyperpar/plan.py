@@ -35,6 +35,7 @@ class Plan:
     tp_setup: str = ""
     pp_setup: str = ""  # stages, layers per stage, schedule, micro-batches (pp > 1)
     row_padding: str = ""  # seq_len padded to the sequence split (cp, tp under SP)
+    head_padding: str = ""  # query / value heads padded with empty ones to a multiple of cp
     compile: bool = False
     units_kept: bool = False  # FSDP units stay gathered from forward to backward (every unit counted)
     root_unit_params: float = 0.0  # per rank: embeddings, head, final norm (what no block holds)
@@ -70,6 +71,7 @@ class Plan:
                "the ranks exchange tokens (parallel.fsdp_vocab_parallel)"] if p.fsdp_vocab_parallel and p.fsdp_size > 1 else []),
             *([f"pipeline    {self.pp_setup}"] if self.pp_setup else []),
             *([f"rows        {self.row_padding}"] if self.row_padding else []),
+            *([f"heads       {self.head_padding}"] if self.head_padding else []),
             *([f"collectives {self.collectives}"] if self.collectives else []),
             *(["compile     torch.compile per decoder block (attention core, delta rule, MoE block eager) and the loss's passes"]
               if self.compile else []),
@@ -277,6 +279,8 @@ def make_plan(cfg: DictConfig, *, strict: bool = True) -> Plan:
     from hyperpar.distributed.one_rank_cast import planned
 
     casts = planned(pdims, param_dtype, reduce_dtype, bool(t.mixed_precision.one_rank_cast), device_type)
+    from hyperpar.distributed.context_parallel import head_padding
+
     # One fp32 rank stays plain (fsdp.one_rank_is_plain): nothing is gathered or cast.
     plain = pdims.dp == 1 and pdims.cp == 1 and pdims.tp == 1 and param_dtype == reduce_dtype == torch.float32
     gathered = 0 if plain else total if casts else (sum(blocks) / pdims.pp if kept else 2 * largest) + root
@@ -288,6 +292,7 @@ def make_plan(cfg: DictConfig, *, strict: bool = True) -> Plan:
         grad_accum=pdims.grad_accum_steps(t.global_batch_size, t.micro_batch_size), problems=problems,
         pp_setup=pp_job[0].describe() if pp_job and pp_job[0] else "",
         row_padding=_row_padding(pdims, t.seq_len), compile=bool(t.compile),
+        head_padding=head_padding(builder.geometry(), pdims.tp, pdims.cp),
         collectives=_collectives(cfg, pdims, device_type, unit * compute / mb, unit * reduce / mb),
     )
 

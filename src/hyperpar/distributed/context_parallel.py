@@ -8,12 +8,22 @@ kernel on its heads (causal conv and chunked delta rule included, so no state cr
 and the reverse all-to-all restores the sequence shards. Packed documents (``Documents``) are
 per token of the full row, so the kernels read the descriptor built from the full-row positions.
 
-Query heads (GatedDeltaNet value heads) must divide by cp. K/V heads (GatedDeltaNet key heads)
-fewer than that are repeated (``repeat_interleave``) until they divide: a query head keeps reading
-the K/V head it reads without CP, each rank receives only the ones its query heads use, and the
-cost is the repeated heads' share of the all-to-all (and of the kernel's K/V memory), e.g. 4 KV
-heads under cp 8 send each K/V head twice. The GatedDeltaNet conv weights are repeated the same
-way and sliced to the rank's heads, so their gradients sum over the repeats.
+K/V heads (GatedDeltaNet key heads) cp does not divide are repeated (``repeat_interleave``) until
+they do: a query head keeps reading the K/V head it reads without CP, each rank receives only the
+ones its query heads use, and the cost is the repeated heads' share of the all-to-all (and of the
+kernel's K/V memory), e.g. 4 KV heads under cp 8 send each K/V head twice. The GatedDeltaNet conv
+weights are repeated the same way and sliced to the rank's heads, so their gradients sum over the
+repeats.
+
+Query heads (GatedDeltaNet value heads) cp does not divide, e.g. 4 heads under cp 8 or 3 under
+cp 2, are padded with empty heads to the next multiple of cp (``padded_heads``): every query head
+first gets its own K/V head (the K/V heads repeated to the query heads' count, since a rank's query
+heads no longer read a whole group), then q, k, v (and g, beta, the conv weights' rows) get zero
+heads appended, the kernels run on ceil(heads / cp) heads a rank, and the padded heads' outputs are
+dropped after the reverse all-to-all. A zero head is exact: zero queries and keys give zero
+attention weights' gradients and zero outputs in both kernels (l2norm has its eps, the decay is 1),
+and nothing reads its output, so no gradient reaches it. The cost is the padded share of the
+all-to-alls and of the kernels, e.g. 3 heads under cp 2 run 4; the plan prints it.
 
 PyTorch has no Ulysses all-to-all, so this is ours, on the autograd-aware functional collective
 ``torch.distributed._functional_collectives.all_to_all_single_autograd`` (its backward is the
@@ -78,9 +88,38 @@ def head_repeats(heads: int, cp: int) -> int:
     return cp // math.gcd(heads, cp)
 
 
-def check_heads(what: str, heads: int, cp: int) -> None:
-    if heads % cp:
-        raise ValueError(f"{heads} {what} (on this rank) cannot be split over cp {cp}")
+def padded_heads(heads: int, cp: int) -> int:
+    """Query (GatedDeltaNet value) heads rounded up to a multiple of cp: the count the kernels run on
+    over all cp ranks, the extra ones empty."""
+    return -(-heads // cp) * cp
+
+
+def _pad_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """Append zero heads on dim 2 of (B, S, H[, d]) up to ``heads``."""
+    extra = heads - x.shape[2]
+    if extra == 0:
+        return x
+    return torch.cat([x, x.new_zeros(*x.shape[:2], extra, *x.shape[3:])], dim=2)
+
+
+def _own_kv_heads(q_heads: int, kv: torch.Tensor) -> torch.Tensor:
+    """K/V heads repeated so query head h reads K/V head h (GQA groups expanded)."""
+    return kv if kv.shape[2] == q_heads else kv.repeat_interleave(q_heads // kv.shape[2], dim=2)
+
+
+def head_padding(geometry: dict[str, int], tp: int, cp: int) -> str:
+    """What the plan prints when cp pads a kernel's heads: '' when every count divides."""
+    parts = []
+    for key, what in (("num_attention_heads", "attention heads"), ("linear_num_value_heads", "linear-attention value heads")):
+        n = geometry.get(key, 0)
+        if not n or cp == 1 or n % tp or (n // tp) % cp == 0:
+            continue
+        local = n // tp
+        per = f" ({local} per tp rank)" if tp > 1 else ""
+        parts.append(f"{what} {n}{per} padded to {padded_heads(local, cp)} for cp {cp}")
+    if not parts:
+        return ""
+    return "; ".join(parts) + " (the empty heads cost kernel and all-to-all time; their output is dropped)"
 
 
 class UlyssesAttention:
@@ -96,16 +135,21 @@ class UlyssesAttention:
 
     def _before(self, module: nn.Module, args: tuple) -> tuple:
         q, k, v = args[:3]
-        cp = self.cp
-        check_heads("query heads", q.shape[2], cp)
-        rep = head_repeats(k.shape[2], cp)
-        if rep > 1:
-            k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
+        cp, heads = self.cp, q.shape[2]
+        self.heads = heads  # the forward hook sees only the padded output
+        if heads % cp:
+            k, v = _own_kv_heads(heads, k), _own_kv_heads(heads, v)
+            q, k, v = (_pad_heads(t, padded_heads(heads, cp)) for t in (q, k, v))
+        else:
+            rep = head_repeats(k.shape[2], cp)
+            if rep > 1:
+                k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
         return (seq_to_heads(q, cp, self.group), seq_to_heads(k, cp, self.group), seq_to_heads(v, cp, self.group),
                 *args[3:])
 
     def _after(self, module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
-        return heads_to_seq(out, self.cp, self.group)
+        out = heads_to_seq(out, self.cp, self.group)
+        return out if out.shape[2] == self.heads else out[:, :, :self.heads]
 
 
 class UlyssesDeltaRule:
@@ -120,33 +164,40 @@ class UlyssesDeltaRule:
         module.register_forward_hook(self._after)
         return module
 
-    def _heads_of_rank(self, w: torch.Tensor, heads: int, rep: int) -> torch.Tensor:
-        """Depthwise conv weight (heads·d, K), head-major channels: repeated like its heads, then
-        the rank's block of heads."""
+    def _heads_of_rank(self, w: torch.Tensor, heads: int, rep: int, total: int) -> torch.Tensor:
+        """Depthwise conv weight (heads·d, K), head-major channels: repeated like its heads, padded
+        with zero heads to ``total``, then the rank's block of heads."""
         d = w.shape[0] // heads
         blocks = w.view(heads, d, -1)
         if rep > 1:
             blocks = blocks.repeat_interleave(rep, dim=0)
-        per_rank = blocks.shape[0] // self.cp
+        if blocks.shape[0] < total:
+            blocks = torch.cat([blocks, blocks.new_zeros(total - blocks.shape[0], *blocks.shape[1:])])
+        per_rank = total // self.cp
         return blocks[self.rank * per_rank:(self.rank + 1) * per_rank].reshape(per_rank * d, -1)
 
     def _before(self, module: nn.Module, args: tuple) -> tuple:
         q, k, v, g, beta, conv_q, conv_k, conv_v = args[:8]
         cp, group = self.cp, self.group
         nk, nv = k.shape[2], v.shape[2]
-        check_heads("linear-attention value heads", nv, cp)
-        rep = head_repeats(nk, cp)
+        self.heads = nv  # the forward hook sees only the padded output
+        total = padded_heads(nv, cp)
+        rep = nv // nk if total != nv else head_repeats(nk, cp)  # padded: a key head per value head
         if rep > 1:
             q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)
+        if total != nv:
+            q, k, v, g, beta = (_pad_heads(t, total) for t in (q, k, v, g, beta))
         return (
             seq_to_heads(q, cp, group), seq_to_heads(k, cp, group), seq_to_heads(v, cp, group),
             seq_to_heads(g.unsqueeze(-1), cp, group).squeeze(-1), seq_to_heads(beta.unsqueeze(-1), cp, group).squeeze(-1),
-            self._heads_of_rank(conv_q, nk, rep), self._heads_of_rank(conv_k, nk, rep), self._heads_of_rank(conv_v, nv, 1),
+            self._heads_of_rank(conv_q, nk, rep, k.shape[2]), self._heads_of_rank(conv_k, nk, rep, k.shape[2]),
+            self._heads_of_rank(conv_v, nv, 1, total),
             *args[8:],
         )
 
     def _after(self, module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
-        return heads_to_seq(out, self.cp, self.group)
+        out = heads_to_seq(out, self.cp, self.group)
+        return out if out.shape[2] == self.heads else out[:, :, :self.heads]
 
 
 def apply_ulysses(model: nn.Module, cp_mesh: DeviceMesh) -> nn.Module:

@@ -131,12 +131,8 @@ class ParallelDims:
         layers = geometry.get("num_hidden_layers", 0)
         if self.pp > 1 and layers < self.pp * self.vpp:
             problems.append(f"{layers} layers cannot fill pp {self.pp} x vpp {self.vpp} stages")
-        if self.cp > 1:
-            # Ulysses: each rank runs the kernels on heads / (tp x cp) of the full sequence; K/V heads
-            # and GatedDeltaNet key heads fewer than that are repeated (no constraint).
-            split = self.tp * self.cp
-            need(geometry.get("num_attention_heads", 0), split, "attention heads", "tp x cp")
-            need(geometry.get("linear_num_value_heads", 0), split, "linear-attention value heads", "tp x cp")
+        # No cp check of the heads: Ulysses repeats K/V (key) heads cp does not divide and pads query
+        # (value) heads with empty ones (context_parallel.padded_heads; the plan prints the padding).
         # A seq_len that does not divide by seq_multiple is padded by the loader (hyperpar.data.pad).
         dp = self.dp
         if global_batch_size % (micro_batch_size * dp):
