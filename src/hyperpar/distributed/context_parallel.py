@@ -20,10 +20,11 @@ cp 2, are padded with empty heads to the next multiple of cp (``padded_heads``):
 first gets its own K/V head (the K/V heads repeated to the query heads' count, since a rank's query
 heads no longer read a whole group), then q, k, v (and g, beta, the conv weights' rows) get zero
 heads appended, the kernels run on ceil(heads / cp) heads a rank, and the padded heads' outputs are
-dropped after the reverse all-to-all. A zero head is exact: zero queries and keys give zero
-attention weights' gradients and zero outputs in both kernels (l2norm has its eps, the decay is 1),
-and nothing reads its output, so no gradient reaches it. The cost is the padded share of the
-all-to-alls and of the kernels, e.g. 3 heads under cp 2 run 4; the plan prints it.
+dropped after the reverse all-to-all. A zero head is exact: nothing reads its output, so no
+gradient reaches it, and nothing in it is non-finite to leak through a zero gradient (zero queries
+and keys give uniform attention over zero values; the delta rule's l2norm has its eps and its decay
+is 1). The cost is the padded share of the all-to-alls and of the kernels, e.g. 3 heads under cp 2
+run 4; the plan prints it.
 
 PyTorch has no Ulysses all-to-all, so this is ours, on the autograd-aware functional collective
 ``torch.distributed._functional_collectives.all_to_all_single_autograd`` (its backward is the
