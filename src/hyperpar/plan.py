@@ -217,9 +217,10 @@ def make_plan(cfg: DictConfig, *, strict: bool = True) -> Plan:
     from hyperpar.distributed.pipeline import PipelineJob
 
     pp_job: list[PipelineJob | None] = []
+    geometry = builder.geometry()
     for check in (pdims.check_supported, lambda: check_compile(pdims, t),
                   lambda: pp_job.append(PipelineJob.check(cfg, pdims, cfg.model.name, builder.args)),
-                  lambda: pdims.check_model(builder.geometry(), global_batch_size=t.global_batch_size,
+                  lambda: pdims.check_model(geometry, global_batch_size=t.global_batch_size,
                                             micro_batch_size=t.micro_batch_size),
                   lambda: _check_vocab_parallel(pdims, t)):
         try:
@@ -279,11 +280,11 @@ def make_plan(cfg: DictConfig, *, strict: bool = True) -> Plan:
     from hyperpar.distributed.one_rank_cast import planned
 
     casts = planned(pdims, param_dtype, reduce_dtype, bool(t.mixed_precision.one_rank_cast), device_type)
-    from hyperpar.distributed.context_parallel import head_padding
-
     # One fp32 rank stays plain (fsdp.one_rank_is_plain): nothing is gathered or cast.
     plain = pdims.dp == 1 and pdims.cp == 1 and pdims.tp == 1 and param_dtype == reduce_dtype == torch.float32
     gathered = 0 if plain else total if casts else (sum(blocks) / pdims.pp if kept else 2 * largest) + root
+    from hyperpar.distributed.context_parallel import head_padding
+
     return Plan(
         pdims=pdims, model_desc=builder.describe(), total_params=total, largest_block_params=largest,
         params_per_rank=per_rank, root_unit_params=root, tp_split_params=tp_split, tp_setup=_tp_setup(pdims, t), mem_params_mb=per_rank * master / mb, mem_grads_mb=per_rank * master / mb,
@@ -292,7 +293,7 @@ def make_plan(cfg: DictConfig, *, strict: bool = True) -> Plan:
         grad_accum=pdims.grad_accum_steps(t.global_batch_size, t.micro_batch_size), problems=problems,
         pp_setup=pp_job[0].describe() if pp_job and pp_job[0] else "",
         row_padding=_row_padding(pdims, t.seq_len), compile=bool(t.compile),
-        head_padding=head_padding(builder.geometry(), pdims.tp, pdims.cp),
+        head_padding=head_padding(geometry, pdims.tp, pdims.cp),
         collectives=_collectives(cfg, pdims, device_type, unit * compute / mb, unit * reduce / mb),
     )
 

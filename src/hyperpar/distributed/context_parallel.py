@@ -103,9 +103,11 @@ def _pad_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
     return torch.cat([x, x.new_zeros(*x.shape[:2], extra, *x.shape[3:])], dim=2)
 
 
-def _own_kv_heads(q_heads: int, kv: torch.Tensor) -> torch.Tensor:
-    """K/V heads repeated so query head h reads K/V head h (GQA groups expanded)."""
-    return kv if kv.shape[2] == q_heads else kv.repeat_interleave(q_heads // kv.shape[2], dim=2)
+def _read_repeats(heads: int, read: int, cp: int) -> int:
+    """How many times each of the ``read`` K/V (key) heads is repeated for ``heads`` query (value)
+    heads: as far as cp needs when it divides the query heads, else to one per query head (their
+    padded split no longer keeps whole groups on a rank)."""
+    return heads // read if heads % cp else head_repeats(read, cp)
 
 
 def head_padding(geometry: dict[str, int], tp: int, cp: int) -> str:
@@ -113,9 +115,9 @@ def head_padding(geometry: dict[str, int], tp: int, cp: int) -> str:
     parts = []
     for key, what in (("num_attention_heads", "attention heads"), ("linear_num_value_heads", "linear-attention value heads")):
         n = geometry.get(key, 0)
-        if not n or cp == 1 or n % tp or (n // tp) % cp == 0:
-            continue
         local = n // tp
+        if not n or n % tp or padded_heads(local, cp) == local:  # absent, refused by tp's check, or unpadded
+            continue
         per = f" ({local} per tp rank)" if tp > 1 else ""
         parts.append(f"{what} {n}{per} padded to {padded_heads(local, cp)} for cp {cp}")
     if not parts:
@@ -138,13 +140,11 @@ class UlyssesAttention:
         q, k, v = args[:3]
         cp, heads = self.cp, q.shape[2]
         self.heads = heads  # the forward hook sees only the padded output
-        if heads % cp:
-            k, v = _own_kv_heads(heads, k), _own_kv_heads(heads, v)
-            q, k, v = (_pad_heads(t, padded_heads(heads, cp)) for t in (q, k, v))
-        else:
-            rep = head_repeats(k.shape[2], cp)
-            if rep > 1:
-                k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
+        rep, total = _read_repeats(heads, k.shape[2], cp), padded_heads(heads, cp)
+        if rep > 1:
+            k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
+        if total != heads:
+            q, k, v = (_pad_heads(t, total) for t in (q, k, v))
         return (seq_to_heads(q, cp, self.group), seq_to_heads(k, cp, self.group), seq_to_heads(v, cp, self.group),
                 *args[3:])
 
@@ -182,8 +182,7 @@ class UlyssesDeltaRule:
         cp, group = self.cp, self.group
         nk, nv = k.shape[2], v.shape[2]
         self.heads = nv  # the forward hook sees only the padded output
-        total = padded_heads(nv, cp)
-        rep = nv // nk if total != nv else head_repeats(nk, cp)  # padded: a key head per value head
+        rep, total = _read_repeats(nv, nk, cp), padded_heads(nv, cp)
         if rep > 1:
             q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)
         if total != nv:
