@@ -353,3 +353,100 @@ def test_one_rank_pairing_ends_with_each_reduction():
     given = comm.allocate((8,), dtype=torch.float32, device=cpu)
     assert given.data_ptr() != stale.data_ptr()
     assert comm.allocate((8,), dtype=torch.float32, device=cpu).data_ptr() == given.data_ptr()
+
+
+def _resident(rank: int, world: int) -> dict:
+    """The same training four ways: gloo, the shared-memory collectives, and the parameters homed
+    in shared memory (fp32; and a 16-bit policy, which keeps the all-gathers)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule
+
+    from hyperpar.distributed import shm_collectives as sc
+    from hyperpar.distributed import shm_params as sp
+    from hyperpar.distributed.fsdp import apply_fsdp, prime_unsharded_params
+
+    barriers = []
+    real_barrier = dist.barrier
+    dist.barrier = lambda *a, **k: barriers.append(1) or real_barrier(*a, **k)
+
+    def train(mode: str, param_dtype: torch.dtype = torch.float32) -> dict:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(257, 257, bias=False),
+                              *[nn.Sequential(nn.Linear(257, 129), nn.GELU(), nn.Linear(129, 257)) for _ in range(3)])
+        mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp_replicate", "dp_shard"))
+        apply_fsdp(model, list(model)[1:], mesh, param_dtype=param_dtype, reduce_dtype=torch.float32)
+        sc.release()
+        sp.release()
+        if mode != "gloo":
+            sc.install([model])
+        homed = sp.home([model]) if mode == "homed" else 0  # the launcher's order: no all-gather before
+        prime_unsharded_params(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        sp.guard_optimizer(opt)
+        gen = torch.Generator().manual_seed(1 + rank)
+        losses, per_step = [], []
+        for _ in range(3):
+            barriers.clear()
+            loss = model(torch.randn(4, 257, generator=gen)).float().square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+            per_step.append(len(barriers))
+        # each rank's sharded rows are its rows of the unsharded parameter, in one file
+        model[1].unshard()
+        fp = model[1]._get_fsdp_state()._fsdp_param_group.fsdp_params[0]
+        rows = fp._sharded_param_data.data_ptr() == model[1][0].weight.data_ptr() + rank * fp._sharded_param_data.nbytes
+        model[1].reshard()
+        return {"losses": losses, "params": [p.full_tensor().clone() for p in model.parameters()], "homed": homed,
+                "gathers": sc.gather_counts(), "barriers": per_step, "rows": rows}
+
+    gloo, shm, homed, bf16 = train("gloo"), train("shm"), train("homed"), train("homed", torch.bfloat16)
+    report = {
+        "homed": [homed["homed"], bf16["homed"]],
+        "equal_shm": homed["losses"] == shm["losses"] and all(torch.equal(a, b) for a, b in zip(homed["params"], shm["params"])),
+        "equal_gloo": homed["losses"] == gloo["losses"] and all(torch.equal(a, b) for a, b in zip(homed["params"], gloo["params"])),
+        "gathers": [homed["gathers"], bf16["gathers"]["in_place"] > 0],
+        # a step: 2 barriers per reduce-scatter (4 units), 1 before the optimizer step, and 1 at the
+        # first unshard after the ranks wrote (the first step's reads were ordered at start-up)
+        "barriers": [homed["barriers"], shm["barriers"]],
+        "rows": homed["rows"],
+    }
+    # A parameter whose tensor was replaced behind FSDP's back is an error, not stale rows
+    sc.release()
+    sp.release()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.Sequential(nn.Linear(64, 64)))
+    mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp_replicate", "dp_shard"))
+    apply_fsdp(model, [model[1]], mesh, param_dtype=torch.float32, reduce_dtype=torch.float32)
+    sc.install([model])
+    sp.home([model])
+    prime_unsharded_params(model)
+    fp = model[1]._get_fsdp_state()._fsdp_param_group.fsdp_params[0]
+    fp._sharded_param_data = fp._sharded_param_data.clone()
+    try:
+        model(torch.randn(2, 64))
+        report["replaced"] = "no error"
+    except RuntimeError as e:
+        report["replaced"] = str(e)
+    dist.barrier = real_barrier
+    sp.release()
+    return report
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_parameters_homed_in_shared_memory_train_the_same(tmp_path, world):
+    """fp32 FSDP units keep their parameters in one shared file (shm_params): no all-gather runs,
+    each rank's shard is its rows of the unsharded parameter, training is bitwise that of the
+    shared-memory all-gathers (and at two ranks gloo's), with one barrier for the weights each step."""
+    for r, rep in enumerate(_spawn(_resident, world, tmp_path)):
+        assert rep.pop("files") == [], rep
+        assert rep["homed"] == [4, 0], (r, rep)  # a 16-bit policy keeps its all-gathers
+        assert rep["equal_shm"], (r, rep)
+        assert rep["equal_gloo"] == (world == 2), (r, rep)  # at 3 ranks the shared sum's order is its own
+        assert rep["gathers"] == [{"in_place": 0, "gloo": 0}, True], (r, rep)
+        # shared-memory all-gathers: 6 exchanges a step (4 units in forward, 2 again in backward)
+        assert rep["barriers"] == [[9, 10, 10], [8 + 6, 8 + 6, 8 + 6]], (r, rep)
+        assert rep["rows"] is True, (r, rep)
+        assert "no longer lives in the shared memory" in rep["replaced"], (r, rep)

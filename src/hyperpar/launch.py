@@ -86,7 +86,7 @@ def worker_main(cfg: DictConfig, run_dir: str) -> dict[str, Any]:
     from hyperpar.host_allocator import tune_host_allocator
     from hyperpar import denormals
     from hyperpar.distributed.context_parallel import SequenceShard
-    from hyperpar.distributed import shm_collectives
+    from hyperpar.distributed import shm_collectives, shm_params
     from hyperpar.distributed.fsdp import prime_unsharded_params
     from hyperpar.distributed.materialize import materialize
     from hyperpar.distributed.tensor_parallel import use_loss_parallel
@@ -146,6 +146,9 @@ def worker_main(cfg: DictConfig, run_dir: str) -> dict[str, Any]:
                          "memory (%s)", n_units, shm_collectives.SHM_DIR)
         for part in parts:
             materialize(part, device, seed=cfg.train.seed, source=builder.weight_source(), report=load_report)
+        if dev.type == "cpu" and cfg.launch.cpu_collectives == "shm":
+            shm_params.home(parts)  # before the optimizer (the parameters' storage moves) and any all-gather
+        for part in parts:
             prime_unsharded_params(part)
         if builder.load_weights:
             mb = 2**20
@@ -156,6 +159,7 @@ def worker_main(cfg: DictConfig, run_dir: str) -> dict[str, Any]:
             part.train()
         optimizer, scheduler = instantiate(cfg.optim, _partial_=True)(
             model=pipeline.optim_model if pipeline is not None else model, total_steps=cfg.train.steps)
+        shm_params.guard_optimizer(optimizer)
         t = cfg.train
         # Restarted workers (elastic restart) always resume from the newest complete checkpoint.
         checkpointer = instantiate(cfg.checkpoint, _partial_=True)(
@@ -180,6 +184,7 @@ def worker_main(cfg: DictConfig, run_dir: str) -> dict[str, Any]:
             route_counts=cfg.metrics.route_counts,
         )
         checkpointer.resume(trainer, resume_path)
+        shm_params.parameters_written()  # a resumed checkpoint wrote every rank's rows
         # metrics.jsonl is appended to: a resumed run continues its file (readers keep the last record per step).
         metrics = MetricsWriter(run_dir, rank=rank, total_steps=t.steps, start_step=trainer.step,
                                 progress_bar=cfg.metrics.progress_bar, tensorboard=cfg.metrics.tensorboard, log_every=t.log_every)
@@ -206,6 +211,7 @@ def worker_main(cfg: DictConfig, run_dir: str) -> dict[str, Any]:
         if gemm_before is not None:
             onednn_gemm.set_policy(gemm_before)
         shm_collectives.release()
+        shm_params.release()
         if pg_ours and dist.is_initialized():
             dist.destroy_process_group()
 

@@ -294,13 +294,16 @@ def make_plan(cfg: DictConfig, *, strict: bool = True) -> Plan:
         pp_setup=pp_job[0].describe() if pp_job and pp_job[0] else "",
         row_padding=_row_padding(pdims, t.seq_len), compile=bool(t.compile),
         head_padding=head_padding(geometry, pdims.tp, pdims.cp),
-        collectives=_collectives(cfg, pdims, device_type, unit * compute / mb, unit * reduce / mb),
+        collectives=_collectives(cfg, pdims, device_type, unit * compute / mb, unit * reduce / mb,
+                                 per_rank * pdims.fsdp_size * compute / mb if param_dtype == torch.float32 else 0.0),
     )
 
 
 def _collectives(cfg: DictConfig, pdims: ParallelDims, device_type: str | None, unit_mb: float,
-                 unit_reduce_mb: float) -> str:
-    """CPU ranks sharding FSDP units: FSDP's all-gathers and reduce-scatters through /dev/shm or gloo."""
+                 unit_reduce_mb: float, homed_mb: float = 0.0) -> str:
+    """CPU ranks sharding FSDP units: FSDP's all-gathers and reduce-scatters through /dev/shm or gloo.
+    ``homed_mb``: the fp32 parameters of a shard group, which then live in one shared copy
+    (``shm_params``) and are never all-gathered."""
     if pdims.fsdp_size == 1 or device_type != "cpu":
         return ""
     if cfg.launch.cpu_collectives == "gloo":
@@ -311,6 +314,11 @@ def _collectives(cfg: DictConfig, pdims: ParallelDims, device_type: str | None, 
 
     w = pdims.fsdp_size
     # slots are whole MiB
-    shm_mb = HEADER / 2**20 + GATHER_REGIONS * w * math.ceil(unit_mb / w) + w * math.ceil(unit_reduce_mb)
+    scatter_mb = w * math.ceil(unit_reduce_mb)
+    if homed_mb:
+        return (f"FSDP units' fp32 parameters in one shared copy per shard group, never all-gathered, and "
+                f"reduce-scatters through shared memory (/dev/shm, about {homed_mb + scatter_mb:.0f} MB, shared by "
+                "the host's ranks); the rest on gloo (launch.cpu_collectives=shm)")
+    shm_mb = HEADER / 2**20 + GATHER_REGIONS * w * math.ceil(unit_mb / w) + scatter_mb
     return (f"FSDP all-gathers and reduce-scatters through shared memory (/dev/shm, about {shm_mb:.0f} MB "
             "for the largest unit, shared by the host's ranks); the rest on gloo (launch.cpu_collectives=shm)")

@@ -77,6 +77,54 @@ def _users(t: torch.Tensor) -> int:
     return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
 
 
+def map_shared(group: dist.ProcessGroup, label: str, total: int) -> torch.Tensor | None:
+    """A ``/dev/shm`` file of ``total`` bytes mapped by every rank of ``group``, as one uint8 tensor
+    (collective). None on every rank alike when any rank cannot map it (several hosts, a short
+    ``/dev/shm``), with one warning; the caller keeps gloo. The file is unlinked once every rank has
+    mapped it, so nothing is left behind after a crash."""
+    rank = group.rank()
+    token = uuid.uuid4().hex
+    path, problem = "", ""
+    if rank == 0:
+        path = os.path.join(SHM_DIR, f"hyperpar-{os.getpid()}-{label}-{token[:12]}")
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+            try:
+                os.posix_fallocate(fd, 0, total)  # a short /dev/shm fails here, not as SIGBUS later
+                os.pwrite(fd, token.encode(), 0)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            problem = f"{SHM_DIR} cannot hold {total / 2**20:.0f} MB ({exc})"
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+            path = ""
+    box = [(path, token, problem)]
+    dist.broadcast_object_list(box, group=group, group_src=0)
+    path, token, problem = box[0]
+    buffer = None
+    if path and not os.path.exists(path):  # from_file would create (and leak) a file of its own
+        problem = "the ranks do not share one /dev/shm (several hosts)"
+    elif path:
+        try:
+            buffer = torch.from_file(path, shared=True, size=total, dtype=torch.uint8)
+            if bytes(buffer[:len(token)].tolist()) != token.encode():
+                buffer, problem = None, "the ranks do not share one /dev/shm (several hosts)"
+        except (OSError, RuntimeError) as exc:
+            buffer, problem = None, f"rank {rank} cannot map {path} ({exc})"
+    ok = torch.tensor([0 if buffer is None else 1], dtype=torch.int32)
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)  # every rank mapped it, or none uses it
+    if rank == 0 and path:
+        os.unlink(path)
+    if not ok.item():
+        if rank == 0 or problem:
+            log.warning("cpu_collectives=shm: %s for %s; this group keeps gloo", problem or "another rank failed", label)
+        return None
+    return buffer
+
+
 class SharedArena:
     """One ``/dev/shm`` file mapped by every rank of one process group.
 
@@ -108,48 +156,10 @@ class SharedArena:
         slot_bytes = _round_up(max(slot_bytes, 2 * self.capacity))
         header = HEADER if self.regions > 1 else 0
         total = header + self.regions * slot_bytes * self.size
-        token = uuid.uuid4().hex
-        path, problem = "", ""
-        if self.rank == 0:
-            path = os.path.join(SHM_DIR, f"hyperpar-{os.getpid()}-{self.label}-{token[:12]}")
-            try:
-                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-                try:
-                    os.posix_fallocate(fd, 0, total)  # a short /dev/shm fails here, not as SIGBUS later
-                    os.pwrite(fd, token.encode(), 0)
-                finally:
-                    os.close(fd)
-            except OSError as exc:
-                problem = f"{SHM_DIR} cannot hold {total / 2**20:.0f} MB ({exc})"
-                try:
-                    os.unlink(path)
-                except OSError:
-                    pass
-                path = ""
-        box = [(path, token, problem)]
-        dist.broadcast_object_list(box, group=self.group, group_src=0)
-        path, token, problem = box[0]
-        buffer = None
-        if path and not os.path.exists(path):  # from_file would create (and leak) a file of its own
-            problem = "the ranks do not share one /dev/shm (several hosts)"
-        elif path:
-            try:
-                buffer = torch.from_file(path, shared=True, size=total, dtype=torch.uint8)
-                if bytes(buffer[:len(token)].tolist()) != token.encode():
-                    buffer, problem = None, "the ranks do not share one /dev/shm (several hosts)"
-            except (OSError, RuntimeError) as exc:
-                buffer, problem = None, f"rank {self.rank} cannot map {path} ({exc})"
-        ok = torch.tensor([0 if buffer is None else 1], dtype=torch.int32)
-        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self.group)  # every rank mapped it, or none uses it
-        if self.rank == 0 and path:
-            os.unlink(path)
-        if not ok.item():
+        buffer = map_shared(self.group, self.label, total)
+        if buffer is None:
             self.disabled = True
-            if self.rank == 0 or problem:
-                log.warning("cpu_collectives=shm: %s for %s; this group keeps gloo", problem or "another rank failed",
-                            self.label)
             return False
-        assert buffer is not None
         self.buffer, self.capacity = buffer, slot_bytes
         if self.regions > 1:
             # A region FSDP holds an output in after the file grew stays mapped through that output.
