@@ -408,8 +408,8 @@ def _resident(rank: int, world: int) -> dict:
         "equal_shm": homed["losses"] == shm["losses"] and all(torch.equal(a, b) for a, b in zip(homed["params"], shm["params"])),
         "equal_gloo": homed["losses"] == gloo["losses"] and all(torch.equal(a, b) for a, b in zip(homed["params"], gloo["params"])),
         "gathers": [homed["gathers"], bf16["gathers"]["in_place"] > 0],
-        # a step: 2 barriers per reduce-scatter (4 units), 1 before the optimizer step, and 1 at the
-        # first unshard after the ranks wrote (the first step's reads were ordered at start-up)
+        # a step: 2 barriers per reduce-scatter (4 units), 1 before the optimizer step and 1 after
+        # it; an unshard is none
         "barriers": [homed["barriers"], shm["barriers"]],
         "rows": homed["rows"],
     }
@@ -439,7 +439,7 @@ def _resident(rank: int, world: int) -> dict:
 def test_parameters_homed_in_shared_memory_train_the_same(tmp_path, world):
     """fp32 FSDP units keep their parameters in one shared file (shm_params): no all-gather runs,
     each rank's shard is its rows of the unsharded parameter, training is bitwise that of the
-    shared-memory all-gathers (and at two ranks gloo's), with one barrier for the weights each step."""
+    shared-memory all-gathers (and at two ranks gloo's), with two barriers for the weights a step."""
     for r, rep in enumerate(_spawn(_resident, world, tmp_path)):
         assert rep.pop("files") == [], rep
         assert rep["homed"] == [4, 0], (r, rep)  # a 16-bit policy keeps its all-gathers
@@ -447,6 +447,6 @@ def test_parameters_homed_in_shared_memory_train_the_same(tmp_path, world):
         assert rep["equal_gloo"] == (world == 2), (r, rep)  # at 3 ranks the shared sum's order is its own
         assert rep["gathers"] == [{"in_place": 0, "gloo": 0}, True], (r, rep)
         # shared-memory all-gathers: 6 exchanges a step (4 units in forward, 2 again in backward)
-        assert rep["barriers"] == [[9, 10, 10], [8 + 6, 8 + 6, 8 + 6]], (r, rep)
+        assert rep["barriers"] == [[10, 10, 10], [8 + 6, 8 + 6, 8 + 6]], (r, rep)
         assert rep["rows"] is True, (r, rep)
         assert "no longer lives in the shared memory" in rep["replaced"], (r, rep)

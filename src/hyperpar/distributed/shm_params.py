@@ -11,16 +11,16 @@ place; every other rank reads them through its unsharded view. An "all-gather" i
 
 When a rank may read rows another rank writes:
 - A rank writes its rows only in the optimizer step (or when a checkpoint or weights are loaded),
-  and reads the others' rows between a unit's unshard and its reshard.
-- No rank reads before every rank's last write is done: each write bumps a generation
-  (``parameters_written``: after every optimizer step, after a resume), and the first unshard
-  outside backward after that waits at a barrier of the shard group. One barrier a step, where
-  FSDP's all-gathers synchronised the ranks at every unit, forward and backward.
-- No rank writes while another still reads: a barrier before every optimizer step
-  (``guard_optimizer``). By then every rank's backward is over anyway (its last gradient
-  reduce-scatter needs every rank's gradients); the barrier also covers a unit without trainable
-  parameters, which reduces nothing. Backward's unshards need no barrier: nothing was written
-  since forward's.
+  and reads the others' rows whenever its unit is unsharded.
+- A barrier before every optimizer step: no rank writes rows another still reads. Every rank's
+  backward is over by then anyway (its last gradient reduce-scatter needs every rank's gradients);
+  the barrier also covers a unit without trainable parameters, which reduces nothing.
+- A barrier after every optimizer step (``guard_optimizer``) and after a load
+  (``parameters_written``): no rank reads rows before their owner's write is done, whether its next
+  read comes at an unshard or from a unit that stayed unsharded.
+- So two barriers a step for the weights, both where the ranks are nearly level (around the
+  optimizer), where FSDP's all-gathers synchronised the ranks at every unit, forward and backward;
+  an unshard is no collective at all.
 
 Host memory is one copy of every such unit's parameters, against FSDP's shards (the same bytes)
 plus each rank's unsharded copy of the units it holds gathered. A process's RSS counts the shared
@@ -158,44 +158,32 @@ def home(parts: Iterable[nn.Module]) -> int:
 
 _homed: list[torch.Tensor] = []  # the files' mappings, alive as long as the job's parameters
 _resident_groups: list[ResidentGroup] = []
-_generation = 1  # bumped whenever the ranks wrote their rows (``parameters_written``)
-_synced: dict[int, int] = {}  # id(shard group) -> the generation its ranks last synced at
 
 
 def guard_optimizer(optimizer: torch.optim.Optimizer) -> None:
-    """Order every homed shard group around ``optimizer``'s steps: a barrier before each (no rank
-    writes its rows while another still reads them, even where no gradient reduce-scatter came
-    last, as for a unit without trainable parameters), and a new generation after it, so the next
-    unshard outside backward waits at a barrier for every rank's writes. Nothing where no unit was
-    homed."""
-    groups = _groups()
-    if not groups:
-        return
-
-    def before(*_):
-        for pg in groups:
-            dist.barrier(group=pg)
-
-    optimizer.register_step_pre_hook(before)
-    optimizer.register_step_post_hook(lambda *_: parameters_written())
+    """A barrier of every homed shard group before each of ``optimizer``'s steps (no rank writes its
+    rows while another still reads them) and after it (no rank reads rows before their owner's
+    write is done). Nothing where no unit was homed."""
+    if _resident_groups:
+        optimizer.register_step_pre_hook(lambda *_: _barrier())
+        optimizer.register_step_post_hook(lambda *_: _barrier())
 
 
 def parameters_written() -> None:
-    """Every rank wrote (or may have written) its rows of the homed parameters, all ranks alike (an
-    optimizer step, a checkpoint loaded): the next unshard outside backward syncs."""
-    global _generation
-    _generation += 1
+    """Every rank wrote its rows outside an optimizer step (a checkpoint loaded): a barrier, which
+    every rank calls alike, before any rank reads them."""
+    _barrier()
 
 
-def _groups() -> list[dist.ProcessGroup]:
-    return list({id(g.group): g.group for g in _resident_groups}.values())
+def _barrier() -> None:
+    for pg in {id(g.group): g.group for g in _resident_groups}.values():
+        dist.barrier(group=pg)
 
 
 def release() -> None:
     """Forget the files (the end of a job); each stays mapped while a parameter still views it."""
     _homed.clear()
     _resident_groups.clear()
-    _synced.clear()
 
 
 def _keep() -> None:
@@ -220,10 +208,7 @@ def _install_methods() -> None:
             return
         if not self.unshard_in_backward and self._training_state == TrainingState.PRE_BACKWARD:
             return
-        res.check()
-        if self._training_state != TrainingState.PRE_BACKWARD and _synced.get(id(res.group)) != _generation:
-            dist.barrier(group=res.group)  # every rank's writes (optimizer step, loads) are done
-            _synced[id(res.group)] = _generation
+        res.check()  # the rows were ordered where they were written (guard_optimizer, parameters_written)
         # a marker for wait_for_unshard; nothing was gathered
         self._all_gather_result = AllGatherResult(None, None, None, [], [], [])
 
