@@ -7,7 +7,7 @@ cores that was ~110 ms of a 2.8 s dense_small step. When every rank of a unit's 
 same file, neither copy is needed: the unit's unsharded parameters live in the file, laid out as
 FSDP lays them out unsharded (each parameter's rows padded to a multiple of the group size), and each
 rank's sharded parameter is a view of its own rows of it. The optimizer updates a rank's rows in
-place; every other rank reads them through its unsharded view. An "all-gather" is then a barrier.
+place; every other rank reads them through its unsharded view. An "all-gather" is then nothing at all.
 
 When a rank may read rows another rank writes:
 - A rank writes its rows only in the optimizer step (or when a checkpoint or weights are loaded),
