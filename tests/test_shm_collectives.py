@@ -360,7 +360,6 @@ def _resident(rank: int, world: int) -> dict:
     in shared memory (fp32; and a 16-bit policy, which keeps the all-gathers)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import FSDPModule
 
     from hyperpar.distributed import shm_collectives as sc
     from hyperpar.distributed import shm_params as sp
